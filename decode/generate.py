@@ -1,0 +1,200 @@
+"""`generate`: speculative decoding with tree attention; `heads=None` is plain decoding through the same loop.
+
+Each step: propose (draft tree below the target's last token) -> verify (one target forward over the
+tree) -> accept (greedy or lossless sampling) -> commit (keep the accepted path's KV, feed the drafter).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+from transformers import DynamicCache
+
+from decode.accept import accept_greedy, accept_sampling, accept_typical, target_probs
+from decode.propose import Drafter, make_drafter, propose
+from decode.tree import DEFAULT_MEDUSA_TREE, DEFAULT_TREES, DynamicTree, TreeBuffers, build_tree
+from decode.verify import compact_cache, verify
+from heads.eagle import EagleHead
+from heads.features import FeatureCapture
+from heads.medusa import MedusaHeads
+
+DEFAULT_EAGLE_TREE = DynamicTree(depth=5, top_k=4, total_tokens=12)  # sized for a 2-core CPU
+
+
+@dataclass
+class GenerateOutput:
+    sequences: Tensor                   # (1, prompt + new) token ids
+    new_tokens: int                     # tokens generated (EOS included when hit)
+    tau: float                          # mean tokens per verify pass, the target's bonus token INCLUDED
+    target_forwards: int                # target forward passes, prefill included
+    steps: int                          # verify passes (target_forwards - 1)
+    accepted_per_depth: list[int] = field(default_factory=list)  # steps whose depth-d draft was accepted
+    seconds: float = 0.0
+    stopped_at_eos: bool = False
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else float("nan")
+
+    def acceptance_rates(self) -> list[float]:
+        """Per-depth acceptance: P(depth d accepted | depth d - 1 accepted)."""
+        prev, rates = self.steps, []
+        for count in self.accepted_per_depth:
+            rates.append(count / prev if prev else 0.0)
+            prev = count
+        return rates
+
+
+def _resolve_tree(heads: nn.Module | None, tree) -> TreeBuffers | DynamicTree | None:
+    if heads is None:
+        return None
+    if tree is None and isinstance(heads, (EagleHead, Drafter)):
+        tree = DEFAULT_EAGLE_TREE
+    elif tree is None:  # the default Medusa tree, cut to the depth the heads can draft
+        tree = [p for p in DEFAULT_TREES[DEFAULT_MEDUSA_TREE] if len(p) <= heads.config.num_heads]
+    if isinstance(tree, str):
+        if tree not in DEFAULT_TREES:
+            raise ValueError(f"unknown tree name {tree!r}; known: {sorted(DEFAULT_TREES)}")
+        tree = DEFAULT_TREES[tree]
+    if isinstance(tree, (list, tuple)):
+        tree = build_tree(tree)
+    if not isinstance(tree, (TreeBuffers, DynamicTree)):
+        raise TypeError(f"tree must be rank paths, a tree name, TreeBuffers or DynamicTree, got {type(tree).__name__}")
+    max_depth = heads.config.num_heads if isinstance(heads, MedusaHeads) else getattr(heads, "max_depth", None)
+    if max_depth is not None and isinstance(tree, TreeBuffers) and tree.depth > max_depth:
+        raise ValueError(f"tree depth {tree.depth} exceeds the {max_depth} levels these heads can draft")
+    return tree
+
+
+def _check_heads(heads: nn.Module, model: nn.Module) -> None:
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    hc = heads.config
+    target_hidden = getattr(hc, "target_hidden_size", None) or hc.hidden_size
+    for key, ours, theirs in (("hidden_size", target_hidden, config.hidden_size),
+                              ("vocab_size", hc.vocab_size, config.vocab_size)):
+        if ours != theirs:
+            raise ValueError(f"heads were built for a target with {key}={ours}, but this target has {key}={theirs}")
+    for layer in getattr(hc, "aux_layer_ids", None) or ():
+        if not 0 <= layer < config.num_hidden_layers:
+            raise ValueError(f"heads tap layer {layer}, but this target has {config.num_hidden_layers} layers")
+
+
+def _eos_set(model: nn.Module, eos_token_id) -> set[int]:
+    if eos_token_id is None:
+        eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos_token_id is None:
+        return set()
+    return {int(e) for e in (eos_token_id if isinstance(eos_token_id, (list, tuple, set)) else [eos_token_id])}
+
+
+@torch.no_grad()
+def generate(model: nn.Module, input_ids: Tensor, heads: nn.Module | None = None, *, max_new_tokens: int,
+             temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, tree=None, seed: int | None = None,
+             eos_token_id: int | list[int] | None = None, acceptance: str = "lossless") -> GenerateOutput:
+    """Decode from a frozen target, drafting with `heads` (Medusa or EAGLE); output equals the target's own.
+
+    Args:
+        model: HF causal LM (the target).
+        input_ids: (1, T) or (T,) prompt ids, T >= 1. Batch size 1 only for now.
+        heads: MedusaHeads, EagleHead or a `decode.propose.Drafter`; None is plain decoding (the baseline and
+            the test oracle).
+        max_new_tokens: number of tokens to generate at most (>= 1).
+        temperature: 0 is greedy; > 0 samples from the target distribution.
+        top_p: nucleus filter of the target distribution (sampling only).
+        top_k: top-k filter of the target distribution (sampling only; 0 = off).
+        tree: static tree (rank paths, a name in DEFAULT_TREES, or TreeBuffers) or a DynamicTree;
+            None = DEFAULT_EAGLE_TREE for EAGLE heads, DEFAULT_TREES[DEFAULT_MEDUSA_TREE] for Medusa.
+        seed: seeds the sampling and draft draws.
+        eos_token_id: stop token(s); None = the model's generation_config.
+        acceptance: "lossless" (default) or "typical" (Medusa typical acceptance; LOSSY, sampling only).
+    Returns:
+        GenerateOutput with sequences and stats (tau counts the bonus token).
+    """
+    if input_ids.dim() == 1:
+        input_ids = input_ids[None]
+    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids must be a non-empty (1, T) prompt, got shape {tuple(input_ids.shape)}")
+    if input_ids.shape[0] != 1:
+        raise NotImplementedError(f"batch size {input_ids.shape[0]}: generate supports batch size 1 for now")
+    if max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0, got {top_k}")
+    if acceptance not in ("lossless", "typical"):
+        raise ValueError(f"acceptance must be 'lossless' or 'typical' (lossy), got {acceptance!r}")
+    if acceptance == "typical" and temperature == 0:
+        raise ValueError("typical acceptance applies to sampling (temperature > 0); greedy is exact already")
+    if heads is not None and not isinstance(heads, Drafter):
+        _check_heads(heads, model)
+    tree_spec = _resolve_tree(heads, tree)
+    generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    eos = _eos_set(model, eos_token_id)
+    vocab_size = model.get_output_embeddings().weight.shape[0]
+    drafter = make_drafter(heads, model) if heads is not None else None
+
+    def next_token(logits: Tensor) -> int:
+        if temperature == 0:
+            return int(logits.argmax())
+        return int(torch.multinomial(target_probs(logits, temperature, top_p, top_k), 1, generator=generator))
+
+    start = time.perf_counter()
+    device = model.device
+    prompt = input_ids.to(device)
+    cache = DynamicCache(config=model.config)
+    capture = FeatureCapture(model, drafter.feature_layers) if drafter is not None else None
+    with capture if capture is not None else contextlib.nullcontext():
+        out = model(input_ids=prompt, cache=cache, use_cache=True, logits_to_keep=1)
+        root = next_token(out.logits[0, -1])
+        generated = [root]
+        past = prompt.shape[1]
+        if drafter is not None:
+            drafter.advance(capture.features()[0], torch.cat([prompt[0, 1:], torch.tensor([root], device=device)]))
+        steps, per_depth = 0, []
+        while not (generated[-1] in eos or len(generated) >= max_new_tokens):
+            draft = propose(drafter, root, tree_spec, temperature=temperature, generator=generator,
+                            vocab_size=vocab_size)
+            logits, features = verify(model, cache, draft, past, capture)
+            if temperature == 0:
+                path, bonus = accept_greedy(draft, logits)
+            elif acceptance == "typical":
+                path, bonus = accept_typical(draft, logits, temperature, generator)
+            else:
+                path, bonus = accept_sampling(draft, logits, temperature, top_p, top_k, generator)
+            steps += 1
+            for depth in range(1, len(path)):
+                if len(per_depth) < depth:
+                    per_depth.append(0)
+                per_depth[depth - 1] += 1
+            compact_cache(cache, past, path)
+            past += len(path)
+            new = [int(draft.tokens[i]) for i in path[1:]] + [bonus]
+            if drafter is not None:
+                drafter.advance(features[path], torch.tensor(new, device=device))
+            generated += new
+            root = bonus
+    generated = _truncate(generated, eos, max_new_tokens)
+    seconds = time.perf_counter() - start
+    emitted_by_steps = len(generated) - 1
+    return GenerateOutput(
+        sequences=torch.cat([input_ids, torch.tensor([generated], dtype=input_ids.dtype)], dim=1),
+        new_tokens=len(generated), tau=emitted_by_steps / steps if steps else 1.0, target_forwards=steps + 1,
+        steps=steps, accepted_per_depth=per_depth, seconds=seconds, stopped_at_eos=generated[-1] in eos,
+    )
+
+
+def _truncate(tokens: list[int], eos: set[int], max_new_tokens: int) -> list[int]:
+    """Cut at the first EOS (kept) and at max_new_tokens."""
+    for i, token in enumerate(tokens):
+        if token in eos:
+            tokens = tokens[: i + 1]
+            break
+    return tokens[:max_new_tokens]
+

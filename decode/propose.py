@@ -1,0 +1,256 @@
+"""Propose: grow a draft tree from a drafter (Medusa heads or an EAGLE head), static or EAGLE-2 dynamic.
+
+Children of a node are its draft distribution's top-k (greedy) or, when sampling, a draw of k tokens
+WITHOUT replacement in sampling order (Gumbel-top-k), which is what lossless recursive rejection sampling
+in `decode/accept.py` requires. Which nodes exist is decided from ancestors' values and draft
+distributions only (slot scores: parent score + k-th largest log q), never from a node's own sampled value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from decode.tree import DraftTree, DynamicTree, TreeBuffers, select_nodes
+from heads.eagle import DraftCache, EagleHead, additive_mask
+from heads.medusa import MedusaHeads
+
+
+@dataclass
+class Candidates:
+    draft_ids: Tensor   # (k,) draft-vocabulary ids in draw order
+    slot_logq: Tensor   # (k,) k largest log q values, decreasing: the slot scores
+    q: Tensor | None    # (Vd,) draft distribution the ids were drawn from (sampling only)
+
+
+def draw_children(logits: Tensor, k: int, temperature: float, generator: torch.Generator | None) -> Candidates:
+    """Top-k of the draft (greedy) or k draws without replacement from softmax(logits / T)."""
+    k = min(k, logits.numel())
+    if temperature == 0:
+        logq = torch.log_softmax(logits.float(), dim=-1)
+        top = torch.topk(logq, k)
+        return Candidates(top.indices, top.values, None)
+    logq = torch.log_softmax(logits.float() / temperature, dim=-1)
+    uniform = torch.rand(logq.shape, generator=generator, device=logq.device).clamp_(1e-20, 1.0)
+    gumbel = -torch.log(-torch.log(uniform))
+    ids = torch.topk(logq + gumbel, k).indices  # Gumbel-top-k = sequential sampling without replacement
+    return Candidates(ids, torch.topk(logq, k).values, logq.exp())
+
+
+class Drafter:
+    """Interface of a draft model inside `generate`: advance on accepted tokens, then expand tree nodes."""
+
+    feature_layers: tuple[int, ...]
+    max_depth: int | None = None
+
+    def advance(self, features: Tensor, next_tokens: Tensor) -> None:
+        """Consume target features (T, F) of accepted positions and the tokens that follow each (T,)."""
+        raise NotImplementedError
+
+    def root_logits(self) -> Tensor:
+        """(Vd,) draft logits for the children of the current root."""
+        raise NotImplementedError
+
+    def expand(self, nodes: list[int], tokens: Tensor, parents: list[int], depth: int) -> Tensor:
+        """(n, Vd) draft logits for the children of `nodes` (all at `depth`, tokens are target ids)."""
+        raise NotImplementedError
+
+    def end_proposal(self) -> None:
+        """Drop any state the tree expansion added (draft KV of unverified nodes)."""
+
+    def to_target_ids(self, draft_ids: Tensor) -> Tensor:
+        return draft_ids
+
+
+class MedusaDrafter(Drafter):
+    """Medusa: head d scores depth d + 1 from the last accepted feature, whatever the parent is."""
+
+    def __init__(self, heads: MedusaHeads, target: nn.Module) -> None:
+        self.heads, self.lm_head = heads, target.get_output_embeddings()
+        self.feature_layers = heads.feature_layers
+        self.max_depth = heads.config.num_heads
+        self._logits: Tensor | None = None
+
+    @torch.no_grad()
+    def advance(self, features: Tensor, next_tokens: Tensor) -> None:
+        last = features[-1:].to(next(self.heads.parameters()).dtype)
+        self._logits = self.heads(last[None], lm_head=self.lm_head)[:, 0, 0]  # (K, V)
+
+    def root_logits(self) -> Tensor:
+        return self._logits[0]
+
+    def expand(self, nodes, tokens, parents, depth):
+        return self._logits[depth].expand(len(nodes), -1)
+
+
+class EagleDrafter(Drafter):
+    """EAGLE-1/3: the head autoregresses on features with its own KV cache; tree nodes use tree attention."""
+
+    def __init__(self, head: EagleHead, target: nn.Module) -> None:
+        self.head = head
+        self.embed, self.lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+        self.feature_layers = head.feature_layers
+        self.dtype = next(head.parameters()).dtype
+        self.cache = DraftCache()
+        self.committed = 0                 # draft positions holding verified (feature, next token) pairs
+        self._root_hidden: Tensor | None = None   # (1, 1, H) output at the last committed position
+        self._hidden: dict[int, Tensor] = {}      # node -> draft output hidden (H,) during a proposal
+        self._slot: dict[int, int] = {}           # node -> index among this proposal's cached tree entries
+        self._ancestors: dict[int, set[int]] = {}
+
+    @torch.no_grad()
+    def advance(self, features: Tensor, next_tokens: Tensor) -> None:
+        n = next_tokens.numel()
+        feats = self.head.project_features(features.to(self.dtype)[None])       # (1, n, H)
+        embeds = self.embed(next_tokens[None]).to(self.dtype)                   # (1, n, H)
+        positions = torch.arange(self.committed, self.committed + n, device=feats.device)[None]
+        hidden = self.head(feats, embeds, positions, self.cache)
+        self.committed += n
+        self._root_hidden = hidden[:, -1:]
+        self._hidden, self._slot, self._ancestors = {0: hidden[0, -1]}, {}, {0: set()}
+
+    def root_logits(self) -> Tensor:
+        return self.head.logits(self._root_hidden, self.lm_head)[0, 0]
+
+    @torch.no_grad()
+    def expand(self, nodes, tokens, parents, depth):
+        n = len(nodes)
+        feats = torch.stack([self._hidden[p] for p in parents])[None]           # (1, n, H)
+        embeds = self.embed(tokens[None]).to(self.dtype)                        # (1, n, H)
+        positions = torch.full((1, n), self.committed + depth - 1, dtype=torch.long, device=feats.device)
+        cached = len(self._slot)
+        allowed = torch.zeros(n, self.committed + cached + n, dtype=torch.bool, device=feats.device)
+        allowed[:, : self.committed] = True
+        for row, (node, parent) in enumerate(zip(nodes, parents)):
+            self._ancestors[node] = self._ancestors[parent] | ({parent} if parent else set())
+            for ancestor in self._ancestors[node]:
+                allowed[row, self.committed + self._slot[ancestor]] = True
+            allowed[row, self.committed + cached + row] = True
+            self._slot[node] = cached + row
+        mask = additive_mask(allowed, self.dtype)[None, None]
+        hidden = self.head(feats, embeds, positions, self.cache, attention_mask=mask)[0]  # (n, H)
+        for row, node in enumerate(nodes):
+            self._hidden[node] = hidden[row]
+        return self.head.logits(hidden, self.lm_head)
+
+    def end_proposal(self) -> None:
+        self.cache.crop(self.committed)
+        self._hidden, self._slot, self._ancestors = {0: self._root_hidden[0, 0]}, {}, {0: set()}
+
+    def to_target_ids(self, draft_ids: Tensor) -> Tensor:
+        return self.head.to_target_ids(draft_ids)
+
+
+def make_drafter(heads: nn.Module, target: nn.Module) -> Drafter:
+    """The drafter for a head module (a Drafter instance is used as it is: custom drafters, test oracles)."""
+    if isinstance(heads, Drafter):
+        return heads
+    if isinstance(heads, MedusaHeads):
+        return MedusaDrafter(heads, target)
+    if isinstance(heads, EagleHead):
+        return EagleDrafter(heads, target)
+    raise TypeError(f"heads must be MedusaHeads or EagleHead, got {type(heads).__name__}")
+
+
+class _Growth:
+    """Bookkeeping shared by static and dynamic growth: node arrays and the q table for sampling."""
+
+    def __init__(self, drafter: Drafter, root_token: int, temperature: float, generator, vocab_size: int):
+        self.drafter, self.temperature, self.generator, self.vocab_size = drafter, temperature, generator, vocab_size
+        self.tokens, self.parents, self.ranks, self.scores = [root_token], [-1], [0], [0.0]
+        self.q_rows: list[int] = [-1]
+        self.q_table: list[Tensor] = []
+
+    def add_children(self, node: int, logits: Tensor, k: int) -> list[int]:
+        cand = draw_children(logits, k, self.temperature, self.generator)
+        if cand.q is not None:
+            self.q_rows[node] = len(self.q_table)
+            full = torch.zeros(self.vocab_size, dtype=torch.float32, device=cand.q.device)
+            full[self.drafter.to_target_ids(torch.arange(cand.q.numel(), device=cand.q.device))] = cand.q
+            self.q_table.append(full)
+        targets = self.drafter.to_target_ids(cand.draft_ids).tolist()
+        created = []
+        for rank, (token, slot) in enumerate(zip(targets, cand.slot_logq.tolist())):
+            created.append(len(self.tokens))
+            self.tokens.append(token)
+            self.parents.append(node)
+            self.ranks.append(rank)
+            self.scores.append(self.scores[node] + slot)
+            self.q_rows.append(-1)
+        return created
+
+    def expand(self, nodes: list[int], depth: int) -> Tensor:
+        tokens = torch.tensor([self.tokens[i] for i in nodes], dtype=torch.long)
+        return self.drafter.expand(nodes, tokens, [self.parents[i] for i in nodes], depth)
+
+    def result(self, keep: list[int] | None = None) -> DraftTree:
+        keep = keep if keep is not None else list(range(len(self.tokens)))
+        new_index = {old: new for new, old in enumerate(keep)}
+        sampling = bool(self.q_table)
+        return DraftTree(
+            tokens=torch.tensor([self.tokens[i] for i in keep], dtype=torch.long),
+            parents=torch.tensor([new_index[self.parents[i]] if i else -1 for i in keep], dtype=torch.long),
+            ranks=torch.tensor([self.ranks[i] for i in keep], dtype=torch.long),
+            q_rows=torch.tensor([self.q_rows[i] for i in keep], dtype=torch.long) if sampling else None,
+            q_table=torch.stack(self.q_table) if sampling else None,
+        )
+
+
+@torch.no_grad()
+def propose(drafter: Drafter | None, root_token: int, tree: TreeBuffers | DynamicTree, *, temperature: float,
+            generator: torch.Generator | None, vocab_size: int) -> DraftTree:
+    """Grow one draft tree below `root_token`.
+
+    Args:
+        drafter: the draft model; None gives the root alone (plain decoding).
+        root_token: the target's last chosen token (its KV is not cached yet).
+        tree: a static tree (`build_tree`) or a `DynamicTree` spec.
+        temperature: 0 takes top-k children; > 0 draws them without replacement from the draft.
+        generator: random source for the draws.
+        vocab_size: the target vocabulary size (q rows are over target ids).
+    Returns:
+        The proposal, parents before children.
+    """
+    if drafter is None:
+        return DraftTree(tokens=torch.tensor([root_token]), parents=torch.tensor([-1]), ranks=torch.tensor([0]))
+    growth = _Growth(drafter, root_token, temperature, generator, vocab_size)
+    try:
+        if isinstance(tree, DynamicTree):
+            return _grow_dynamic(growth, tree)
+        return _grow_static(growth, tree)
+    finally:
+        drafter.end_proposal()
+
+
+def _grow_static(growth: _Growth, tree: TreeBuffers) -> DraftTree:
+    # Growth creates nodes breadth-first, parents in order and children by rank: exactly the static tree's
+    # (depth, ranks) order, so growth's node ids are the static tree's ids.
+    parents, ranks = tree.parents.tolist(), tree.ranks.tolist()
+    num_children = [0] * len(parents)
+    for node in range(1, len(parents)):
+        num_children[parents[node]] = max(num_children[parents[node]], ranks[node] + 1)
+    growth.add_children(0, growth.drafter.root_logits(), num_children[0])
+    for depth in range(1, tree.depth):
+        expandable = [i for i in range(len(parents)) if tree.position_ids[i] == depth and num_children[i] > 0]
+        if expandable:
+            logits = growth.expand(expandable, depth)
+            for row, node in enumerate(expandable):
+                growth.add_children(node, logits[row], num_children[node])
+    if growth.parents != parents or growth.ranks != ranks:
+        raise AssertionError("static tree growth diverged from the tree's node order")
+    return growth.result()
+
+
+def _grow_dynamic(growth: _Growth, spec: DynamicTree) -> DraftTree:
+    depth_limit = min(spec.depth, growth.drafter.max_depth or spec.depth)
+    frontier_nodes = growth.add_children(0, growth.drafter.root_logits(), spec.top_k)
+    for depth in range(1, depth_limit):
+        best = sorted(frontier_nodes, key=lambda i: (-growth.scores[i], i))[: spec.top_k]
+        best.sort()
+        logits = growth.expand(best, depth)
+        frontier_nodes = []
+        for row, node in enumerate(best):
+            frontier_nodes += growth.add_children(node, logits[row], spec.top_k)
+    return growth.result(select_nodes(growth.scores, growth.parents, spec.total_tokens))

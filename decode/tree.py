@@ -1,0 +1,169 @@
+"""Draft trees as plain data (Medusa 2401.10774 section 2.1.2; EAGLE-2 2406.16858 section 4).
+
+A static tree is a list of rank paths: `(0, 1)` is "the parent's best candidate, then that node's second
+best". Node 0 is always the root: the token the target already chose, whose KV is not yet cached.
+Everything here is pure; the drafters in `decode/propose.py` fill trees with tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class TreeBuffers:
+    """A static tree in index form; node i > 0 is `paths[i - 1]` after sorting by depth then ranks."""
+
+    paths: tuple[tuple[int, ...], ...]  # sorted rank paths, one per non-root node
+    parents: Tensor           # (N,) int64, parents[0] = -1
+    ranks: Tensor             # (N,) int64 sibling rank (0 = best candidate), 0 for the root
+    position_ids: Tensor      # (N,) int64 depth of each node, added to the committed length
+    attn_mask: Tensor         # (N, N) bool, [i, j] = j is i or an ancestor of i
+    retrieve_indices: Tensor  # (P, D + 1) int64 root-to-leaf node indices, padded with -1
+
+    @property
+    def depth(self) -> int:
+        return int(self.position_ids.max())
+
+    def __len__(self) -> int:
+        return self.parents.numel()
+
+
+@dataclass(frozen=True)
+class DynamicTree:
+    """EAGLE-2 dynamic tree: expand `depth` levels keeping the `top_k` best cumulative scores per level,
+    then keep the `total_tokens` best draft nodes overall (the root comes on top)."""
+
+    depth: int = 5
+    top_k: int = 4
+    total_tokens: int = 12
+
+    def __post_init__(self) -> None:
+        for name in ("depth", "top_k", "total_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"DynamicTree.{name} must be >= 1, got {getattr(self, name)}")
+
+
+def ancestor_mask(parents: Tensor) -> Tensor:
+    """(N, N) bool: [i, j] is True when j == i or j is an ancestor of i. Parents must precede children."""
+    n = parents.numel()
+    mask = torch.eye(n, dtype=torch.bool)
+    for i, parent in enumerate(parents.tolist()):
+        if parent >= 0:
+            if parent >= i:
+                raise ValueError(f"node {i} has parent {parent}: parents must come before their children")
+            mask[i] |= mask[parent]
+    return mask
+
+
+def node_depths(parents: Tensor) -> Tensor:
+    """(N,) int64 depth of each node (root = 0)."""
+    depths = [0] * parents.numel()
+    for i, parent in enumerate(parents.tolist()):
+        depths[i] = 0 if parent < 0 else depths[parent] + 1
+    return torch.tensor(depths, dtype=torch.long)
+
+
+def leaf_paths(parents: Tensor) -> Tensor:
+    """(P, D + 1) root-to-leaf node indices, padded with -1."""
+    plist = parents.tolist()
+    has_child = set(p for p in plist if p >= 0)
+    paths = []
+    for leaf in range(len(plist)):
+        if leaf in has_child:
+            continue
+        path, node = [], leaf
+        while node >= 0:
+            path.append(node)
+            node = plist[node]
+        paths.append(path[::-1])
+    width = max(len(p) for p in paths)
+    return torch.tensor([p + [-1] * (width - len(p)) for p in paths], dtype=torch.long)
+
+
+def build_tree(paths: Sequence[Sequence[int]]) -> TreeBuffers:
+    """Index form of a static tree given as rank paths (a Medusa "choices" list).
+
+    Args:
+        paths: non-empty rank tuples; every prefix of a path must itself be a path (prefix-closed).
+    Returns:
+        TreeBuffers with the root as node 0.
+    """
+    normalized = [tuple(int(r) for r in p) for p in paths]
+    if any(len(p) == 0 for p in normalized):
+        raise ValueError("tree paths must be non-empty rank tuples; the root is implicit")
+    if any(r < 0 for p in normalized for r in p):
+        raise ValueError(f"tree ranks must be >= 0, got {[p for p in normalized if min(p) < 0][0]}")
+    if len(set(normalized)) != len(normalized):
+        dup = next(p for p in normalized if normalized.count(p) > 1)
+        raise ValueError(f"tree path {dup} appears twice")
+    present = set(normalized)
+    for p in normalized:
+        if len(p) > 1 and p[:-1] not in present:
+            raise ValueError(f"tree is not prefix-closed: path {p} needs its prefix {p[:-1]}")
+        if p[-1] > 0 and p[:-1] + (p[-1] - 1,) not in present:
+            raise ValueError(f"tree path {p} skips sibling rank {p[-1] - 1}: siblings must be ranks 0..k-1")
+    ordered = sorted(normalized, key=lambda p: (len(p), p))
+    index = {(): 0} | {p: i + 1 for i, p in enumerate(ordered)}
+    parents = torch.tensor([-1] + [index[p[:-1]] for p in ordered], dtype=torch.long)
+    ranks = torch.tensor([0] + [p[-1] for p in ordered], dtype=torch.long)
+    return TreeBuffers(
+        paths=tuple(ordered), parents=parents, ranks=ranks, position_ids=node_depths(parents),
+        attn_mask=ancestor_mask(parents), retrieve_indices=leaf_paths(parents),
+    )
+
+
+def chain(depth: int) -> list[tuple[int, ...]]:
+    """A single path of `depth` top-1 drafts."""
+    return [(0,) * d for d in range(1, depth + 1)]
+
+
+# Static trees sized for a CPU, where verify cost grows with the tree (REFERENCE section 6).
+DEFAULT_TREES: dict[str, list[tuple[int, ...]]] = {
+    "chain4": chain(4),
+    "tree8": [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 0, 0), (0, 0, 1)],
+    "tree16": [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (2, 0), (0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 0, 0),
+               (0, 0, 0, 0), (0, 0, 1, 0), (0, 0, 0, 1), (0, 0, 0, 0, 0), (0, 0, 0, 0, 0, 0)],
+}
+DEFAULT_MEDUSA_TREE = "tree8"
+
+
+def select_nodes(scores: Sequence[float], parents: Sequence[int], budget: int) -> list[int]:
+    """Keep the root and the `budget` best-scoring other nodes, ties to the earlier node (EAGLE-2 rerank).
+
+    Scores must not increase from parent to child (cumulative log-probabilities), so the kept set is
+    prefix-closed. Returns kept node ids in creation order (parents before children).
+    """
+    order = sorted(range(1, len(scores)), key=lambda i: (-scores[i], i))[:budget]
+    kept = set(order) | {0}
+    for i in kept:
+        if i and parents[i] not in kept:
+            raise AssertionError(f"rerank kept node {i} without its parent {parents[i]}: scores increase")
+    return sorted(kept)
+
+
+@dataclass
+class DraftTree:
+    """One proposal: tokens of a tree rooted at the target's last token, plus what acceptance needs."""
+
+    tokens: Tensor        # (N,) int64 target-vocabulary ids; tokens[0] is the root
+    parents: Tensor       # (N,) int64, parents[0] = -1; parents precede children
+    ranks: Tensor         # (N,) int64 order in which siblings were drawn (0 first)
+    q_rows: Tensor | None = None   # (N,) int64 row of `q_table` holding the draft distribution a node's
+    q_table: Tensor | None = None  # children were drawn from (-1 if it has none); (M, V) fp32, sampling only
+
+    def __post_init__(self) -> None:
+        self.depths = node_depths(self.parents)
+        kids: list[list[int]] = [[] for _ in range(self.tokens.numel())]
+        for node, parent in enumerate(self.parents.tolist()):
+            if parent >= 0:
+                kids[parent].append(node)
+        ranks = self.ranks.tolist()
+        self.children = [sorted(k, key=lambda c: ranks[c]) for k in kids]
+
+    def __len__(self) -> int:
+        return self.tokens.numel()

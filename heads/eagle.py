@@ -1,0 +1,258 @@
+"""EAGLE draft heads: EAGLE-1 (Li et al. 2401.15077, section 4) and EAGLE-3 (2503.01840, section 3).
+
+Both are one Llama-style decoder layer that autoregresses on features. EAGLE-1 reads the target's final
+hidden state and reuses its frozen embedding and lm_head; EAGLE-3 fuses three tapped target layers with `fc`
+and owns a norm and an lm_head over a reduced draft vocabulary mapped to target ids by `d2t`.
+The layer's submodules are transformers' public Llama modules; only the wiring lives here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import Tensor, nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
+
+from heads.features import LAST, default_eagle3_layers
+
+HEAD_TYPES = ("eagle1", "eagle3")
+
+
+@dataclass
+class EagleConfig:
+    head_type: str                       # "eagle1" or "eagle3"
+    hidden_size: int                     # draft width H; equals the target's (EAGLE reuses its embedding)
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int                      # the target's vocabulary V
+    target_hidden_size: int | None = None  # width of one tapped target state; None = hidden_size
+    aux_layer_ids: tuple[int, ...] | None = None  # eagle3 taps, output-of-layer convention (heads/features.py)
+    draft_vocab_size: int | None = None  # eagle3 reduced vocabulary Vd; None = V
+    rms_norm_eps: float = 1e-6
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 8192
+    rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    fc_bias: bool = False                # EAGLE-1's original fc had a bias; vLLM builds it without one
+    attention_bias: bool = False
+
+    def __post_init__(self) -> None:
+        if self.head_type not in HEAD_TYPES:
+            raise ValueError(f"head_type must be one of {HEAD_TYPES}, got {self.head_type!r}")
+        self.target_hidden_size = self.target_hidden_size or self.hidden_size
+        self.draft_vocab_size = self.draft_vocab_size or self.vocab_size
+        if self.aux_layer_ids is not None:
+            self.aux_layer_ids = tuple(int(i) for i in self.aux_layer_ids)
+        if self.head_type == "eagle3" and (self.aux_layer_ids is None or len(self.aux_layer_ids) == 0):
+            raise ValueError("an eagle3 head needs aux_layer_ids (the tapped target layers)")
+        if self.head_type == "eagle1" and self.target_hidden_size != self.hidden_size:
+            raise ValueError("eagle1 feeds its output to the target's lm_head: hidden sizes must match")
+
+    @classmethod
+    def from_target(cls, target_config, head_type: str, **overrides) -> EagleConfig:
+        """A head config sized from a target's HF config (any Llama-like decoder)."""
+        text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+        heads = text.num_attention_heads
+        fields = dict(
+            head_type=head_type,
+            hidden_size=text.hidden_size,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(text, "num_key_value_heads", None) or heads,
+            head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+            intermediate_size=text.intermediate_size,
+            vocab_size=text.vocab_size,
+            rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
+            max_position_embeddings=getattr(text, "max_position_embeddings", 8192),
+            rope_parameters=_full_attention_rope(text),
+        )
+        if head_type == "eagle3":
+            fields["aux_layer_ids"] = default_eagle3_layers(text.num_hidden_layers)
+        fields.update(overrides)
+        return cls(**fields)
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["aux_layer_ids"] = list(self.aux_layer_ids) if self.aux_layer_ids is not None else None
+        return out
+
+    def llama_config(self) -> LlamaConfig:
+        """The 1-layer Llama config of the draft layer (also what exports write)."""
+        config = LlamaConfig(
+            hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim, num_hidden_layers=1, vocab_size=self.vocab_size,
+            rms_norm_eps=self.rms_norm_eps, hidden_act=self.hidden_act,
+            max_position_embeddings=self.max_position_embeddings, rope_parameters=dict(self.rope_parameters),
+            attention_bias=self.attention_bias, mlp_bias=False,
+        )
+        config._attn_implementation = "sdpa"  # the mask is always explicit (heads build it), so sdpa is exact
+        return config
+
+
+def _full_attention_rope(text_config) -> dict:
+    """The target's rope parameters; per-layer-type dicts (Gemma 3) give their full-attention entry."""
+    rope = getattr(text_config, "rope_parameters", None) or {}
+    if "full_attention" in rope and isinstance(rope["full_attention"], dict):
+        rope = rope["full_attention"]
+    rope = dict(rope)
+    rope.setdefault("rope_type", "default")
+    rope.setdefault("rope_theta", getattr(text_config, "rope_theta", 10000.0))
+    return rope
+
+
+class DraftCache:
+    """KV cache of the single draft layer: plain tensors, cropped and re-indexed by the decoder."""
+
+    def __init__(self) -> None:
+        self.keys: Tensor | None = None    # (B, kv_heads, S, head_dim)
+        self.values: Tensor | None = None
+
+    def __len__(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[-2]
+
+    def update(self, keys: Tensor, values: Tensor, layer_idx: int = 0, **_kwargs) -> tuple[Tensor, Tensor]:
+        if self.keys is None:
+            self.keys, self.values = keys, values
+        else:
+            self.keys = torch.cat([self.keys, keys], dim=-2)
+            self.values = torch.cat([self.values, values], dim=-2)
+        return self.keys, self.values
+
+    def crop(self, length: int) -> None:
+        """Keep the first `length` positions."""
+        if self.keys is not None:
+            self.keys, self.values = self.keys[..., :length, :], self.values[..., :length, :]
+
+
+class DraftDecoderLayer(nn.Module):
+    """One Llama decoder layer whose attention reads `attn_input_size` features (H for EAGLE-1, 2H for EAGLE-3)."""
+
+    def __init__(self, config: LlamaConfig, attn_input_size: int, eagle3: bool) -> None:
+        super().__init__()
+        self.eagle3 = eagle3
+        self.self_attn = LlamaAttention(config, layer_idx=0)
+        if attn_input_size != config.hidden_size:
+            for name in ("q_proj", "k_proj", "v_proj"):
+                old = getattr(self.self_attn, name)
+                setattr(self.self_attn, name, nn.Linear(attn_input_size, old.out_features, bias=old.bias is not None))
+        self.mlp = LlamaMLP(config)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        if eagle3:  # EAGLE-1 has no input_layernorm: its fc output goes straight into attention
+            self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+            self.hidden_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, hidden: Tensor, embeds: Tensor | None, position_embeddings: tuple[Tensor, Tensor],
+                attention_mask: Tensor, cache: DraftCache | None) -> Tensor:
+        residual = hidden
+        if self.eagle3:
+            hidden = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # (B, T, 2H)
+        hidden, _ = self.self_attn(hidden, position_embeddings=position_embeddings,
+                                   attention_mask=attention_mask, cache=cache)
+        hidden = residual + hidden
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+def causal_mask(query_length: int, past_length: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """(1, 1, T, past + T) additive mask: each query sees the past and itself and earlier queries."""
+    allowed = torch.ones(query_length, past_length + query_length, dtype=torch.bool, device=device)
+    allowed[:, past_length:] = torch.tril(allowed[:, past_length:])
+    return additive_mask(allowed, dtype)[None, None]
+
+
+def additive_mask(allowed: Tensor, dtype: torch.dtype) -> Tensor:
+    """Boolean "may attend" -> float mask (0 allowed, dtype-min blocked); boolean masks are wrong under eager."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+class EagleHead(nn.Module):
+    """EAGLE-1 or EAGLE-3 draft head; sees only tensors (features, embeddings, the target's lm_head)."""
+
+    def __init__(self, config: EagleConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.head_type = config.head_type
+        llama = config.llama_config()
+        h = config.hidden_size
+        if config.head_type == "eagle1":
+            self.fc = nn.Linear(2 * h, h, bias=config.fc_bias)  # concat(embedding, feature) -> H
+            self.midlayer = DraftDecoderLayer(llama, h, eagle3=False)
+        else:
+            taps = len(config.aux_layer_ids)
+            self.fc = nn.Linear(taps * config.target_hidden_size, h, bias=config.fc_bias)
+            self.midlayer = DraftDecoderLayer(llama, 2 * h, eagle3=True)
+            self.norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
+            self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
+            vd, v = config.draft_vocab_size, config.vocab_size
+            self.register_buffer("d2t", torch.zeros(vd, dtype=torch.long))  # target_id = draft_id + d2t[draft_id]
+            t2d = torch.zeros(v, dtype=torch.bool)
+            t2d[:vd] = True
+            self.register_buffer("t2d", t2d)
+        self.rotary_emb = LlamaRotaryEmbedding(llama)
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """Target taps this head reads (see heads/features.py)."""
+        return (LAST,) if self.head_type == "eagle1" else tuple(self.config.aux_layer_ids)
+
+    def project_features(self, target_features: Tensor) -> Tensor:
+        """Target states (B, T, taps*Ht) -> the head's input feature (B, T, H)."""
+        return self.fc(target_features) if self.head_type == "eagle3" else target_features
+
+    def forward(self, features: Tensor, input_embeds: Tensor, position_ids: Tensor,
+                cache: DraftCache | None = None, attention_mask: Tensor | None = None) -> Tensor:
+        """One draft step over T positions.
+
+        Args:
+            features: (B, T, H) feature at each position (projected target feature, or the draft's own output).
+            input_embeds: (B, T, H) target embedding of the NEXT token at each position.
+            position_ids: (B, T) positions.
+            cache: draft KV cache, extended in place.
+            attention_mask: (B, 1, T, past + T) additive mask; None means causal.
+        Returns:
+            (B, T, H) predicted features (pre-norm), the input feature of the following step.
+        """
+        past = len(cache) if cache is not None else 0
+        if attention_mask is None:
+            attention_mask = causal_mask(features.shape[1], past, features.dtype, features.device)
+        if self.head_type == "eagle1":
+            hidden = self.fc(torch.cat([input_embeds, features], dim=-1))  # (B, T, H)
+            embeds = None
+        else:
+            hidden, embeds = features, input_embeds
+        position_embeddings = self.rotary_emb(hidden, position_ids)
+        return self.midlayer(hidden, embeds, position_embeddings, attention_mask, cache)
+
+    def logits(self, hidden: Tensor, target_lm_head: nn.Module) -> Tensor:
+        """Draft logits (B, T, Vd); EAGLE-1 uses the target's frozen lm_head (Vd = V)."""
+        if self.head_type == "eagle1":
+            return target_lm_head(hidden)
+        return self.lm_head(self.norm(hidden))
+
+    def to_target_ids(self, draft_ids: Tensor) -> Tensor:
+        """Draft-vocabulary ids -> target ids (identity for EAGLE-1)."""
+        return draft_ids if self.head_type == "eagle1" else draft_ids + self.d2t[draft_ids]
+
+    @torch.no_grad()
+    def set_draft_vocab(self, target_ids: Tensor) -> None:
+        """Use `target_ids` (Vd distinct target ids, e.g. the most frequent in the training data) as draft vocab."""
+        if self.head_type != "eagle3":
+            raise ValueError("only eagle3 heads have a reduced draft vocabulary")
+        target_ids = torch.as_tensor(target_ids, dtype=torch.long).sort().values
+        vd = self.config.draft_vocab_size
+        if target_ids.numel() != vd or target_ids.unique().numel() != vd:
+            raise ValueError(f"draft vocab needs {vd} distinct ids, got {target_ids.numel()} "
+                             f"({target_ids.unique().numel()} distinct)")
+        if target_ids.min() < 0 or target_ids.max() >= self.config.vocab_size:
+            raise ValueError(f"draft vocab ids must lie in [0, {self.config.vocab_size})")
+        self.d2t.copy_(target_ids - torch.arange(vd))
+        self.t2d.zero_()
+        self.t2d[target_ids] = True
+
+    @torch.no_grad()
+    def init_lm_head_from_target(self, target_lm_weight: Tensor) -> None:
+        """EAGLE-3: start the draft lm_head from the target's rows of the draft vocabulary."""
+        if self.head_type == "eagle3":
+            self.lm_head.weight.copy_(target_lm_weight[self.to_target_ids(torch.arange(self.config.draft_vocab_size))])

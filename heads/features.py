@@ -1,0 +1,94 @@
+"""Hidden-state capture from any HF decoder-only model, by forward hooks (no copied modeling code).
+
+Tap convention (stored as `aux_layer_ids` in head configs): id i means "the OUTPUT of decoder layer i"
+(0-based), which equals `output_hidden_states=True`'s `hidden_states[i + 1]`. The other convention in the
+wild, "input to layer i" (EAGLE official, vLLM), is this one plus 1; see `to_input_convention`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+LAST = -1  # pseudo tap id: the decoder's final (post-norm) hidden state, i.e. the lm_head input
+
+
+def find_decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The stack of decoder layers of an HF causal LM; raises for layouts it does not know."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    for attr in ("layers", "h", "blocks"):
+        layers = getattr(decoder, attr, None)
+        if isinstance(layers, nn.ModuleList) and len(layers) > 0:
+            return layers
+    raise ValueError(
+        f"cannot find the decoder layers of {type(model).__name__} (looked for .layers, .h, .blocks on "
+        f"{type(decoder).__name__}); selfspec supports HF decoder-only models that expose them"
+    )
+
+
+def default_eagle3_layers(num_hidden_layers: int) -> tuple[int, int, int]:
+    """Low/mid/high taps of EAGLE-3 in the output-of-layer convention: (1, N/2 - 1, N - 4)."""
+    n = num_hidden_layers
+    if n < 5:  # tiny test models: keep three distinct, valid ids
+        return (0, max(0, n // 2 - 1), n - 1) if n >= 3 else (0, 0, n - 1)
+    return (1, n // 2 - 1, n - 4)
+
+
+def to_input_convention(layer_ids: Sequence[int]) -> list[int]:
+    """Output-of-layer ids -> input-to-layer ids (EAGLE official / vLLM style)."""
+    return [i + 1 for i in layer_ids]
+
+
+def from_input_convention(layer_ids: Sequence[int]) -> list[int]:
+    """Input-to-layer ids (EAGLE official / vLLM style) -> our output-of-layer ids."""
+    return [i - 1 for i in layer_ids]
+
+
+class FeatureCapture:
+    """Context manager that records the hidden states a head needs during target forwards.
+
+    `layer_ids` holds output-of-layer ids and/or `LAST`. After a forward, `features()` returns the
+    captured tensors concatenated on the last axis in the order given: (B, T, len(layer_ids) * H).
+    """
+
+    def __init__(self, model: nn.Module, layer_ids: Sequence[int]) -> None:
+        self.model = model
+        self.layer_ids = tuple(layer_ids)
+        layers = find_decoder_layers(model)
+        for i in self.layer_ids:
+            if i != LAST and not 0 <= i < len(layers):
+                raise ValueError(f"tap layer id {i} out of range: the target has {len(layers)} decoder layers")
+        self._layers = layers
+        self._store: dict[int, Tensor] = {}
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+
+    def _hook(self, key: int):
+        def record(_module: nn.Module, _args, output) -> None:
+            if isinstance(output, tuple):
+                output = output[0]
+            elif not isinstance(output, Tensor):  # ModelOutput of the base decoder
+                output = output[0]
+            self._store[key] = output
+        return record
+
+    def __enter__(self) -> FeatureCapture:
+        for i in dict.fromkeys(self.layer_ids):
+            module = self.model.get_decoder() if i == LAST else self._layers[i]
+            self._handles.append(module.register_forward_hook(self._hook(i)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._store.clear()
+
+    def features(self) -> Tensor:
+        """(B, T, K*H) captured states of the last forward, in `layer_ids` order."""
+        missing = [i for i in self.layer_ids if i not in self._store]
+        if missing:
+            raise RuntimeError(f"no hidden state captured for tap ids {missing}: run a forward inside the context")
+        parts = [self._store[i] for i in self.layer_ids]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)

@@ -1,0 +1,169 @@
+"""Head checkpoints: `config.json` + `model.safetensors` with head weights only (STYLE section 5).
+
+Never pickled. Loading checks the head against the target it will draft for and names both values on a
+mismatch, because a head for another target decodes garbage without any error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from heads.eagle import HEAD_TYPES as EAGLE_TYPES
+from heads.eagle import EagleConfig, EagleHead
+from heads.medusa import MedusaConfig, MedusaHeads
+
+FORMAT_VERSION = 1
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+Head = MedusaHeads | EagleHead
+
+
+def build_head(head_type: str, head_config: dict) -> Head:
+    """A fresh head from its type and config dict."""
+    if head_type == "medusa":
+        return MedusaHeads(MedusaConfig(**head_config))
+    if head_type in EAGLE_TYPES:
+        return EagleHead(EagleConfig(**{**head_config, "head_type": head_type}))
+    raise ValueError(f"unknown head_type {head_type!r}; expected one of {('medusa', *EAGLE_TYPES)}")
+
+
+def _text_config(target) -> object:
+    config = getattr(target, "config", target)
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def save_heads(head: Head, path: str | Path, *, base_model: str, base_revision: str | None = None,
+               target=None, extra: dict | None = None) -> Path:
+    """Write an export folder holding exactly `config.json` and `model.safetensors`.
+
+    Args:
+        head: the head module.
+        path: output folder (created; replaced atomically file by file).
+        base_model: hub id or path of the target the head was trained on.
+        base_revision: the target's revision (commit hash, package version), if known.
+        target: the target model or its config; records its architecture and depth for load-time checks.
+        extra: more JSON-serialisable fields (training hyperparameters, tap convention notes).
+    Returns:
+        The folder.
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    head_config = head.config.to_dict()
+    config = {
+        "head_type": head.head_type,
+        "format_version": FORMAT_VERSION,
+        "base_model": base_model,
+        "base_revision": base_revision,
+        "hidden_size": head_config["hidden_size"],
+        "vocab_size": head_config["vocab_size"],
+        "head_config": head_config,
+    }
+    if head.head_type == "eagle3":
+        config["aux_layer_ids_convention"] = "output of decoder layer i (0-based) = hidden_states[i + 1]"
+    if target is not None:
+        text = _text_config(target)
+        config["base_model_type"] = text.model_type
+        config["base_num_hidden_layers"] = text.num_hidden_layers
+    config.update(extra or {})
+    state = {k: v.detach().contiguous().clone() for k, v in head.state_dict().items()}
+    _atomic_write(path / WEIGHTS_NAME, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
+    _atomic_write(path / CONFIG_NAME, lambda tmp: Path(tmp).write_text(json.dumps(config, indent=2) + "\n"))
+    return path
+
+
+def _atomic_write(dest: Path, write) -> None:
+    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, dest)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def read_head_config(path: str | Path) -> dict:
+    """The parsed `config.json` of an export folder, validated for the fields loading needs."""
+    file = Path(path) / CONFIG_NAME
+    if not file.is_file():
+        raise FileNotFoundError(f"{file}: no head config (an export holds {CONFIG_NAME} + {WEIGHTS_NAME})")
+    try:
+        config = json.loads(file.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{file}: not valid JSON ({err})") from err
+    for key in ("head_type", "format_version", "head_config"):
+        if key not in config:
+            raise ValueError(f"{file}: missing key {key!r}")
+    if config["format_version"] > FORMAT_VERSION:
+        raise ValueError(f"{file}: format_version {config['format_version']} is newer than this selfspec "
+                         f"reads ({FORMAT_VERSION})")
+    return config
+
+
+def check_head_matches_target(config: dict, target, where: str = "head") -> None:
+    """Raise if the head config does not fit the target (hidden size, vocab, architecture, tap depth)."""
+    text = _text_config(target)
+    head = config["head_config"]
+    checks = [("hidden_size", head.get("target_hidden_size") or head["hidden_size"], text.hidden_size),
+              ("vocab_size", head["vocab_size"], text.vocab_size)]
+    if config.get("base_model_type") is not None:
+        checks.append(("model_type", config["base_model_type"], text.model_type))
+    for key, ours, theirs in checks:
+        if ours != theirs:
+            raise ValueError(f"{where} was built for a target with {key}={ours!r}, but this target has "
+                             f"{key}={theirs!r} (base_model={config.get('base_model')!r})")
+    for layer in head.get("aux_layer_ids") or ():
+        if not 0 <= layer < text.num_hidden_layers:
+            raise ValueError(f"{where} taps layer {layer}, but the target has {text.num_hidden_layers} layers")
+
+
+def load_heads(path: str | Path, target=None, *, dtype: torch.dtype | None = None,
+               device: str | torch.device = "cpu") -> Head:
+    """Load an export folder written by `save_heads`.
+
+    Args:
+        path: the folder.
+        target: the target model (or its config) the head will draft for; checked when given.
+        dtype: cast the floating-point weights (the d2t/t2d maps keep their dtypes).
+        device: where to put the head.
+    Returns:
+        The head, in eval mode.
+    """
+    path = Path(path)
+    config = read_head_config(path)
+    if target is not None:
+        check_head_matches_target(config, target, where=f"head {path}")
+    head = build_head(config["head_type"], config["head_config"])
+    weights = path / WEIGHTS_NAME
+    if not weights.is_file():
+        raise FileNotFoundError(f"{weights}: missing head weights")
+    try:
+        state = load_file(weights)
+    except (SafetensorError, OSError) as err:
+        raise ValueError(f"{weights}: corrupt or unreadable safetensors file ({err})") from err
+    _load_state_strict(head, state, weights)
+    if dtype is not None:
+        head.to(dtype=dtype)
+    return head.to(device).eval()
+
+
+def _load_state_strict(head: nn.Module, state: dict, source: Path) -> None:
+    expected = head.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"{source}: keys do not match a {head.head_type} head: missing {missing}, "
+                         f"unexpected {unexpected}")
+    for key, tensor in state.items():
+        if tensor.shape != expected[key].shape:
+            raise ValueError(f"{source}: {key} has shape {tuple(tensor.shape)}, expected "
+                             f"{tuple(expected[key].shape)}")
+    head.load_state_dict(state, strict=True)
