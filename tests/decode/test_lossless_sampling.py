@@ -1,0 +1,138 @@
+"""Statistical losslessness of speculative SAMPLING: the emitted tokens follow the target's distribution.
+
+Every token emitted by `generate` is scored against the target's exact conditional distribution given its
+prefix (`fit_pvalue`); a chi-square goodness-of-fit test must NOT reject for the lossless rule and MUST reject for deliberately biased rules (negative controls: the test is shown able to fail).
+"""
+
+import importlib
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from decode import DynamicTree, generate
+from decode.accept import target_probs
+from heads import EagleConfig, EagleHead, MedusaConfig, MedusaHeads
+
+VOCAB, RUNS, NEW = 8, 16, 120
+PROMPT = torch.tensor([[1, 4, 2]])
+
+
+@pytest.fixture(scope="module")
+def target():
+    cfg = AutoConfig.for_model("llama", hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                               num_attention_heads=2, num_key_value_heads=1, vocab_size=VOCAB)
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    with torch.no_grad():  # peaky and nearly Markov: a biased rule then moves mass the same way everywhere
+        model.lm_head.weight.mul_(6.0)
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(0.2)
+            layer.mlp.down_proj.weight.mul_(0.2)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def emitted_with_exact_probs(model, heads, tree, seed_base, sampling, **kwargs):
+    """Every emitted token, the token before it, the target's exact p_t given the whole prefix, and tau."""
+    tokens, previous, probs, taus = [], [], [], []
+    for run in range(RUNS):
+        out = generate(model, PROMPT, heads, max_new_tokens=NEW, tree=tree, seed=seed_base + run, **sampling,
+                       **kwargs)
+        seq = out.sequences
+        with torch.no_grad():
+            probs.append(target_probs(model(seq).logits[0, PROMPT.shape[1] - 1 : -1], **sampling).double())
+        tokens.append(seq[0, PROMPT.shape[1]:])
+        previous.append(seq[0, PROMPT.shape[1] - 1 : -1])
+        taus.append(out.tau)
+    return torch.cat(tokens).numpy(), torch.cat(previous).numpy(), torch.cat(probs).numpy(), float(np.mean(taus))
+
+
+def fit_pvalue(model, heads, tree, seed_base, sampling=None, min_tau=None, **kwargs) -> float:
+    """Chi-square of (previous token, token) counts against the sums of the exact p_t in each group.
+
+    Under losslessness x_t ~ p_t given the prefix, so observed - expected is a martingale in every cell;
+    with p_t varying inside a group the Pearson statistic is stochastically smaller than chi-square, so the
+    test is conservative for the lossless rule. The target is nearly Markov (see `target`), so a biased rule
+    shifts mass the same way in every group and the negative controls are detected.
+    """
+    sampling = sampling or {"temperature": 1.0}
+    tokens, previous, probs, tau = emitted_with_exact_probs(model, heads, tree, seed_base, sampling, **kwargs)
+    if min_tau is not None:  # a test where drafts are never accepted would check nothing
+        assert tau >= min_tau, f"drafts were rarely accepted (tau {tau:.2f}); the test would be vacuous"
+    observed, expected = np.zeros((VOCAB, VOCAB)), np.zeros((VOCAB, VOCAB))
+    np.add.at(observed, (previous, tokens), 1)
+    np.add.at(expected, previous, probs)
+    big = expected >= 5  # pool sparse cells so the chi-square approximation holds
+    obs, exp = observed[big], expected[big]
+    if expected[~big].sum() > 0:
+        obs, exp = np.append(obs, observed[~big].sum()), np.append(exp, expected[~big].sum())
+    groups = int((expected.sum(1) > 0).sum())
+    return chisquare(obs, exp, ddof=groups - 1).pvalue
+
+
+def make_heads(model, kind, std=2.0):
+    torch.manual_seed(11)
+    if kind == "medusa":
+        heads = MedusaHeads(MedusaConfig(16, VOCAB, num_heads=3))
+        for proj in heads.lm_heads:  # random and unlike the target; small std = a flat draft
+            torch.nn.init.normal_(proj.weight, std=std)
+        return heads
+    head = EagleHead(EagleConfig.from_target(model.config, kind, **({"draft_vocab_size": 4} if kind == "eagle3" else {})))
+    if kind == "eagle3":
+        head.set_draft_vocab(torch.tensor([0, 2, 3, 5]))
+        torch.nn.init.normal_(head.lm_head.weight, std=2.0)
+    return head
+
+
+CASES = [
+    ("medusa", [(0,), (1,), (2,), (0, 0), (1, 0), (0, 1), (0, 0, 0)], {"temperature": 1.0}),
+    ("eagle1", DynamicTree(depth=3, top_k=3, total_tokens=6), {"temperature": 1.0}),
+    ("eagle3", [(0,), (1,), (0, 0), (0, 1), (1, 0)], {"temperature": 1.0}),
+    ("eagle1", [(0,), (1,), (0, 0), (0, 0, 0)], {"temperature": 0.7, "top_k": 4, "top_p": 0.9}),
+]
+
+
+@pytest.mark.parametrize("kind,tree,sampling", CASES, ids=["medusa", "eagle1-dynamic", "eagle3", "eagle1-topk-topp"])
+def test_speculative_sampling_matches_target_distribution(target, kind, tree, sampling):
+    pvalue = fit_pvalue(target, make_heads(target, kind), tree, seed_base=1000, sampling=sampling, min_tau=1.2)
+    assert pvalue > 1e-3, f"{kind}: speculative sampling deviates from the target (chi-square p={pvalue:.2e})"
+
+
+def test_plain_sampling_matches_exact_distribution(target):
+    """The oracle itself: plain sampling through the same loop passes the same test."""
+    assert fit_pvalue(target, None, None, seed_base=5000) > 1e-3
+
+
+def _accept_with_unit_draft_probability(tree, target_logits, temperature, top_p, top_k, generator):
+    """BIASED on purpose: the ratio treats each sampled sibling's q as 1, the residual still subtracts q."""
+    tokens = tree.tokens.tolist()
+    path, node = [0], 0
+    while True:
+        p = target_probs(target_logits[node], temperature, top_p, top_k)
+        accepted = None
+        for child in tree.children[node]:
+            q = tree.q_table[int(tree.q_rows[node])]
+            if torch.rand((), generator=generator).item() < p[tokens[child]].item():
+                accepted = child
+                break
+            p = torch.clamp(p - q, min=0)
+            p = p / p.sum() if p.sum() > 0 else target_probs(target_logits[node], temperature, top_p, top_k)
+        if accepted is None:
+            return path, int(torch.multinomial(p, 1, generator=generator).item())
+        path.append(accepted)
+        node = accepted
+
+
+def test_negative_control_unit_draft_probability_is_detected(target, monkeypatch):
+    monkeypatch.setattr(importlib.import_module("decode.generate"), "accept_sampling", _accept_with_unit_draft_probability)
+    # the bias of this rule is largest for a flat draft (x ~ q nearly uniform, kept with probability p(x))
+    pvalue = fit_pvalue(target, make_heads(target, "medusa", std=0.1), CASES[0][1], seed_base=1000)
+    assert pvalue < 1e-3, "the test failed to detect a biased acceptance rule"
+
+
+def test_negative_control_typical_acceptance_is_detected(target):
+    pvalue = fit_pvalue(target, make_heads(target, "medusa"), CASES[0][1], seed_base=1000, acceptance="typical")
+    assert pvalue < 1e-3, "typical acceptance should be detected as lossy"

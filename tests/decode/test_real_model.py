@@ -1,0 +1,64 @@
+"""Greedy losslessness on the real default target, SmolLM2-135M-Instruct (fp32): random heads must not
+change a single token of plain greedy decoding."""
+
+import pytest
+import torch
+
+from decode import DynamicTree, generate
+from heads import EagleConfig, EagleHead, MedusaConfig, MedusaHeads
+from heads.target import load_target
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about autumn leaves.",
+    "Explain recursion in one paragraph.",
+    "List three uses of a paperclip.",
+    "How do I reverse a list in Python?",
+]
+
+pytestmark = pytest.mark.real_model
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_target()
+
+
+@pytest.fixture(scope="module")
+def prompts(target):
+    _, tokenizer = target
+    return [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                          return_tensors="pt", return_dict=True)["input_ids"] for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(target, prompts):
+    model, _ = target
+    return [generate(model, ids, max_new_tokens=64) for ids in prompts]
+
+
+def _heads(model, kind):
+    torch.manual_seed(0)
+    if kind == "medusa":
+        heads = MedusaHeads(MedusaConfig(model.config.hidden_size, model.config.vocab_size, num_heads=3))
+        heads.init_from_lm_head(model.get_output_embeddings().weight)  # the Medusa init: some drafts accepted
+        return heads.eval(), [(0,), (1,), (0, 0), (1, 0), (0, 0, 0)]
+    head = EagleHead(EagleConfig.from_target(model.config, "eagle3", draft_vocab_size=8192))
+    return head.eval(), DynamicTree(depth=4, top_k=3, total_tokens=8)
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle3"])
+def test_random_heads_are_lossless_on_default_target(target, prompts, plain_outputs, kind):
+    model, _ = target
+    heads, tree = _heads(model, kind)
+    for ids, plain in zip(prompts, plain_outputs):
+        assert plain.new_tokens == 64 or plain.stopped_at_eos
+        out = generate(model, ids, heads, max_new_tokens=64, tree=tree)
+        assert torch.equal(out.sequences, plain.sequences), f"{kind} changed the output of prompt {ids.shape}"
+
+
+def test_plain_loop_matches_transformers_generate(target, prompts, plain_outputs):
+    model, _ = target
+    ids, plain = prompts[0], plain_outputs[0]
+    theirs = model.generate(ids, do_sample=False, max_new_tokens=64)
+    assert torch.equal(theirs, plain.sequences)

@@ -1,0 +1,162 @@
+"""Tests for heads/io.py: the export folder (config.json + model.safetensors), strict loading, target checks."""
+
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from heads.eagle import EagleConfig, EagleHead
+from heads.io import CONFIG_NAME, FORMAT_VERSION, WEIGHTS_NAME, load_heads, save_heads
+from heads.medusa import MedusaConfig, MedusaHeads
+
+HEAD_TYPES = ["medusa", "eagle1", "eagle3"]
+
+
+def _head(kind: str, target_config):
+    torch.manual_seed(0)
+    if kind == "medusa":
+        head = MedusaHeads(MedusaConfig(hidden_size=target_config.hidden_size, vocab_size=target_config.vocab_size,
+                                        num_heads=2, num_layers=2))
+        for block in head.blocks:  # non-zero weights, so a round trip that drops them would show
+            torch.nn.init.normal_(block[0].linear.weight)
+        return head
+    head = EagleHead(EagleConfig.from_target(target_config, kind, **({"draft_vocab_size": 64} if kind == "eagle3" else {})))
+    if kind == "eagle3":
+        head.set_draft_vocab(torch.randperm(target_config.vocab_size)[:64])
+    return head
+
+
+@pytest.fixture
+def llama(build_target):
+    return build_target("llama")
+
+
+def _export(tmp_path: Path, kind: str, target) -> tuple[torch.nn.Module, Path]:
+    head = _head(kind, target.config)
+    path = save_heads(head, tmp_path / kind, base_model="org/tiny-llama", base_revision="abc123", target=target,
+                      extra={"note": "unit test"})
+    return head, path
+
+
+def _rewrite_weights(path: Path, edit) -> None:
+    state = load_file(path / WEIGHTS_NAME)
+    edit(state)
+    save_file(state, path / WEIGHTS_NAME)
+
+
+@pytest.mark.parametrize("kind", HEAD_TYPES)
+def test_export_holds_exactly_two_files(tmp_path, llama, kind):
+    _, path = _export(tmp_path, kind, llama)
+    assert sorted(os.listdir(path)) == [CONFIG_NAME, WEIGHTS_NAME]  # no temp files, no pickles
+    _export(tmp_path, kind, llama)  # overwriting an export leaves no debris either
+    assert sorted(os.listdir(path)) == [CONFIG_NAME, WEIGHTS_NAME]
+
+
+@pytest.mark.parametrize("kind", HEAD_TYPES)
+def test_round_trip_is_exact(tmp_path, llama, kind):
+    head, path = _export(tmp_path, kind, llama)
+    loaded = load_heads(path, llama)
+    assert type(loaded) is type(head) and loaded.head_type == head.head_type and not loaded.training
+    assert loaded.config == head.config
+    expected, actual = head.state_dict(), loaded.state_dict()
+    assert set(actual) == set(expected)
+    for key, tensor in expected.items():
+        assert actual[key].dtype == tensor.dtype, key
+        assert torch.equal(actual[key], tensor), key
+    halves = load_heads(path, llama, dtype=torch.bfloat16)
+    assert (halves.lm_heads[0] if kind == "medusa" else halves.fc).weight.dtype == torch.bfloat16
+    if kind == "eagle3":  # the maps keep their integer / bool dtypes
+        assert halves.d2t.dtype == torch.int64 and halves.t2d.dtype == torch.bool
+        assert torch.equal(loaded.to_target_ids(torch.arange(64)), head.to_target_ids(torch.arange(64)))
+
+
+@pytest.mark.parametrize("kind", HEAD_TYPES)
+def test_config_records_provenance(tmp_path, llama, kind):
+    _, path = _export(tmp_path, kind, llama)
+    config = json.loads((path / CONFIG_NAME).read_text())
+    assert config["head_type"] == kind
+    assert config["format_version"] == FORMAT_VERSION == 1
+    assert (config["base_model"], config["base_revision"]) == ("org/tiny-llama", "abc123")
+    assert (config["hidden_size"], config["vocab_size"]) == (32, 128)
+    assert (config["base_model_type"], config["base_num_hidden_layers"]) == ("llama", 4)
+    assert config["note"] == "unit test"
+    if kind == "eagle3":
+        assert config["head_config"]["aux_layer_ids"] == [0, 1, 3]
+        assert config["head_config"]["draft_vocab_size"] == 64
+        assert "output of decoder layer" in config["aux_layer_ids_convention"]
+    if kind == "medusa":
+        assert (config["head_config"]["num_heads"], config["head_config"]["num_layers"]) == (2, 2)
+
+
+@pytest.mark.parametrize("kind", HEAD_TYPES)
+@pytest.mark.parametrize("other, key, ours, theirs", [
+    (("llama", {"hidden_size": 48, "head_dim": 12}), "hidden_size", "32", "48"),
+    (("llama", {"vocab_size": 256}), "vocab_size", "128", "256"),
+    (("qwen2", {}), "model_type", "'llama'", "'qwen2'"),
+])
+def test_loading_for_another_target_names_both_values(tmp_path, llama, build_target, kind, other, key, ours, theirs):
+    _, path = _export(tmp_path, kind, llama)
+    target = build_target(other[0], **other[1])
+    with pytest.raises(ValueError, match=f"{key}={ours}.*{key}={theirs}"):
+        load_heads(path, target)
+    with pytest.raises(ValueError, match=f"{key}={ours}.*{key}={theirs}"):
+        load_heads(path, target.config)  # a bare config is checked the same way
+
+
+def test_eagle3_taps_beyond_the_target_depth(tmp_path, llama):
+    head = EagleHead(EagleConfig.from_target(llama.config, "eagle3", aux_layer_ids=(0, 2, 7)))
+    path = save_heads(head, tmp_path / "deep", base_model="x")
+    with pytest.raises(ValueError, match="taps layer 7.*4 layers"):
+        load_heads(path, llama)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "empty"])
+def test_corrupt_weights_name_the_file(tmp_path, llama, damage):
+    _, path = _export(tmp_path, "eagle1", llama)
+    weights = path / WEIGHTS_NAME
+    data = weights.read_bytes()
+    weights.write_bytes({"truncate": data[: len(data) // 2], "garbage": b"\x00not a safetensors file", "empty": b""}[damage])
+    with pytest.raises(ValueError, match=re.escape(str(weights))):
+        load_heads(path, llama)
+
+
+@pytest.mark.parametrize("kind", HEAD_TYPES)
+def test_missing_extra_and_misshaped_keys_are_named(tmp_path, llama, kind):
+    _, path = _export(tmp_path, kind, llama)
+    victim = sorted(load_file(path / WEIGHTS_NAME))[-1]
+    _rewrite_weights(path, lambda state: state.pop(victim))
+    with pytest.raises(ValueError, match=rf"missing \['{re.escape(victim)}'\]"):
+        load_heads(path, llama)
+    _, path = _export(tmp_path, kind, llama)
+    _rewrite_weights(path, lambda state: state.update({"embed_tokens.weight": torch.zeros(128, 32)}))
+    with pytest.raises(ValueError, match=r"unexpected \['embed_tokens.weight'\]"):
+        load_heads(path, llama)
+    _, path = _export(tmp_path, kind, llama)
+    _rewrite_weights(path, lambda state: state.update({victim: torch.zeros(3, 5)}))
+    with pytest.raises(ValueError, match=rf"{re.escape(victim)} has shape \(3, 5\), expected"):
+        load_heads(path, llama)
+
+
+def test_bad_config_files_are_named(tmp_path, llama):
+    _, path = _export(tmp_path, "medusa", llama)
+    config_file = path / CONFIG_NAME
+    good = config_file.read_text()
+    config_file.write_text("{not json")
+    with pytest.raises(ValueError, match=re.escape(str(config_file)) + ".*not valid JSON"):
+        load_heads(path, llama)
+    config_file.write_text(json.dumps({**json.loads(good), "format_version": FORMAT_VERSION + 1}))
+    with pytest.raises(ValueError, match="format_version 2 is newer"):
+        load_heads(path)
+    config_file.write_text(json.dumps({k: v for k, v in json.loads(good).items() if k != "head_type"}))
+    with pytest.raises(ValueError, match="missing key 'head_type'"):
+        load_heads(path)
+    config_file.write_text(json.dumps({**json.loads(good), "head_type": "hydra"}))
+    with pytest.raises(ValueError, match="unknown head_type 'hydra'"):
+        load_heads(path)
+    config_file.unlink()
+    with pytest.raises(FileNotFoundError, match=CONFIG_NAME):
+        load_heads(path)
