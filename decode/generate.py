@@ -132,13 +132,13 @@ def generate(model: nn.Module, input_ids: Tensor, heads: nn.Module | None = None
         raise ValueError(f"acceptance must be 'lossless' or 'typical' (lossy), got {acceptance!r}")
     if acceptance == "typical" and temperature == 0:
         raise ValueError("typical acceptance applies to sampling (temperature > 0); greedy is exact already")
+    drafter = make_drafter(heads, model) if heads is not None else None
     if heads is not None and not isinstance(heads, Drafter):
         _check_heads(heads, model)
     tree_spec = _resolve_tree(heads, tree)
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
     eos = _eos_set(model, eos_token_id)
     vocab_size = model.get_output_embeddings().weight.shape[0]
-    drafter = make_drafter(heads, model) if heads is not None else None
 
     def next_token(logits: Tensor) -> int:
         if temperature == 0:
@@ -158,7 +158,7 @@ def generate(model: nn.Module, input_ids: Tensor, heads: nn.Module | None = None
         if drafter is not None:
             drafter.advance(capture.features()[0], torch.cat([prompt[0, 1:], torch.tensor([root], device=device)]))
         steps, per_depth = 0, []
-        while not (generated[-1] in eos or len(generated) >= max_new_tokens):
+        while not (eos.intersection(generated[-1:]) or len(generated) >= max_new_tokens):
             draft = propose(drafter, root, tree_spec, temperature=temperature, generator=generator,
                             vocab_size=vocab_size)
             logits, features = verify(model, cache, draft, past, capture)
@@ -180,6 +180,8 @@ def generate(model: nn.Module, input_ids: Tensor, heads: nn.Module | None = None
                 drafter.advance(features[path], torch.tensor(new, device=device))
             generated += new
             root = bonus
+            if eos.intersection(new):  # an EOS accepted inside the path ends decoding too
+                break
     generated = _truncate(generated, eos, max_new_tokens)
     seconds = time.perf_counter() - start
     emitted_by_steps = len(generated) - 1

@@ -1,8 +1,10 @@
 """Hidden-state capture from any HF decoder-only model, by forward hooks (no copied modeling code).
 
 Tap convention (stored as `aux_layer_ids` in head configs): id i means "the OUTPUT of decoder layer i"
-(0-based), which equals `output_hidden_states=True`'s `hidden_states[i + 1]`. The other convention in the
-wild, "input to layer i" (EAGLE official, vLLM), is this one plus 1; see `to_input_convention`.
+(0-based), which equals `output_hidden_states=True`'s `hidden_states[i + 1]` for every layer but the last
+(HF's last entry is after the final norm; a hook on the last layer sees its raw output, and training and
+decoding both use these hooks). The other convention in the wild, "input to layer i" (EAGLE official,
+vLLM), is this one plus 1; see `to_input_convention`.
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ def find_decoder_layers(model: nn.Module) -> nn.ModuleList:
 def default_eagle3_layers(num_hidden_layers: int) -> tuple[int, int, int]:
     """Low/mid/high taps of EAGLE-3 in the output-of-layer convention: (1, N/2 - 1, N - 4)."""
     n = num_hidden_layers
-    if n < 5:  # tiny test models: keep three distinct, valid ids
-        return (0, max(0, n // 2 - 1), n - 1) if n >= 3 else (0, 0, n - 1)
+    if n < 5:  # tiny test models: three valid ids, avoiding the last layer where possible
+        return (0, max(0, n // 2 - 1), max(0, n - 2))
     return (1, n // 2 - 1, n - 4)
 
 

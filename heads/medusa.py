@@ -27,12 +27,13 @@ class MedusaConfig:
 
 
 class ResBlock(nn.Module):
-    """x + SiLU(W x + b), W zero-initialised so a fresh head starts as the identity."""
+    """x + SiLU(W x + b), W and b zero-initialised so a fresh block is the identity (SiLU(0) = 0)."""
 
     def __init__(self, hidden_size: int) -> None:
         super().__init__()
         self.linear = nn.Linear(hidden_size, hidden_size)
         nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
         self.act = nn.SiLU()
 
     def forward(self, x: Tensor) -> Tensor:

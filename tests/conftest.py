@@ -8,12 +8,20 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-# gemma2 (alternating sliding/full layers, soft-capping) and gemma3_text (sliding layers, per-layer-type rope)
-# build and decode losslessly here, so they run next to the plain decoders. Their windows (4096) are far
-# longer than any test sequence.
-ARCHS = ["llama", "qwen2", "mistral", "gemma", "gemma2", "gemma3_text"]
-TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=8, vocab_size=128)
+# The four architectures the lossless grid runs on, and two more that build and decode losslessly here too
+# (gemma2: alternating sliding / full layers and soft-capping; gemma3_text: sliding layers and per-layer-type
+# rope; windows of 4096, far longer than any test sequence), used by the cheaper per-architecture tests.
+ARCHS = ["llama", "qwen2", "mistral", "gemma"]
+EXTRA_ARCHS = ["gemma2", "gemma3_text"]
+TINY = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "vocab_size": 128,
+}
 
 
 @functools.cache
@@ -37,3 +45,8 @@ def tiny_target(request, build_target) -> torch.nn.Module:
     """A tiny random causal LM (4 layers, H=32, V=128, eager attention, seed 0), per architecture."""
     return build_target(request.param)
 
+
+@pytest.fixture(scope="session", params=ARCHS + EXTRA_ARCHS)
+def any_target(request, build_target) -> torch.nn.Module:
+    """`tiny_target` and the extra architectures: for the cheaper per-architecture tests."""
+    return build_target(request.param)

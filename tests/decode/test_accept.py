@@ -14,8 +14,13 @@ V = 16
 
 def _tree(tokens, parents, ranks=None, q_rows=None, q_table=None) -> DraftTree:
     ranks = ranks if ranks is not None else [0] * len(tokens)
-    return DraftTree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(ranks),
-                     None if q_rows is None else torch.tensor(q_rows), q_table)
+    return DraftTree(
+        torch.tensor(tokens),
+        torch.tensor(parents),
+        torch.tensor(ranks),
+        None if q_rows is None else torch.tensor(q_rows),
+        q_table,
+    )
 
 
 def _argmax_logits(best: list[int]) -> torch.Tensor:
@@ -25,29 +30,35 @@ def _argmax_logits(best: list[int]) -> torch.Tensor:
     return logits
 
 
-CHAIN = dict(tokens=[1, 2, 3, 4], parents=[-1, 0, 1, 2])  # root token 1, drafts 2, 3, 4
+CHAIN = {"tokens": [1, 2, 3, 4], "parents": [-1, 0, 1, 2]}  # root token 1, drafts 2, 3, 4
 
 
-@pytest.mark.parametrize("best, path, bonus", [
-    ([2, 3, 4, 9], [0, 1, 2, 3], 9),   # all accepted: the bonus comes after the last draft
-    ([7, 3, 4, 9], [0], 7),            # none accepted: plain decoding's token
-    ([2, 8, 4, 9], [0, 1], 8),         # first accepted only
-    ([2, 3, 11, 9], [0, 1, 2], 11),    # first two
-])
+@pytest.mark.parametrize(
+    "best, path, bonus",
+    [
+        ([2, 3, 4, 9], [0, 1, 2, 3], 9),  # all accepted: the bonus comes after the last draft
+        ([7, 3, 4, 9], [0], 7),  # none accepted: plain decoding's token
+        ([2, 8, 4, 9], [0, 1], 8),  # first accepted only
+        ([2, 3, 11, 9], [0, 1, 2], 11),  # first two
+    ],
+)
 def test_greedy_chain(best, path, bonus):
     assert accept_greedy(_tree(**CHAIN), _argmax_logits(best)) == (path, bonus)
 
 
 # root 0 -> node 1 (token 5, rank 0), node 2 (token 7, rank 1); node 1 -> node 4 (11); node 2 -> node 3 (9)
-BRANCHING = dict(tokens=[0, 5, 7, 9, 11], parents=[-1, 0, 0, 2, 1], ranks=[0, 0, 1, 0, 0])
+BRANCHING = {"tokens": [0, 5, 7, 9, 11], "parents": [-1, 0, 0, 2, 1], "ranks": [0, 0, 1, 0, 0]}
 
 
-@pytest.mark.parametrize("best, path, bonus", [
-    ([7, 11, 9, 3, 4], [0, 2, 3], 3),  # the second sibling is accepted, then its child
-    ([5, 11, 9, 3, 4], [0, 1, 4], 4),  # the first sibling and its child
-    ([7, 11, 6, 3, 4], [0, 2], 6),     # second sibling only: the bonus is the argmax after node 2
-    ([9, 11, 9, 3, 4], [0], 9),        # 9 is in the tree, but not a child of the root
-])
+@pytest.mark.parametrize(
+    "best, path, bonus",
+    [
+        ([7, 11, 9, 3, 4], [0, 2, 3], 3),  # the second sibling is accepted, then its child
+        ([5, 11, 9, 3, 4], [0, 1, 4], 4),  # the first sibling and its child
+        ([7, 11, 6, 3, 4], [0, 2], 6),  # second sibling only: the bonus is the argmax after node 2
+        ([9, 11, 9, 3, 4], [0], 9),  # 9 is in the tree, but not a child of the root
+    ],
+)
 def test_greedy_branching(best, path, bonus):
     assert accept_greedy(_tree(**BRANCHING), _argmax_logits(best)) == (path, bonus)
 
@@ -65,13 +76,19 @@ def test_target_probs_top_k_and_top_p():
     torch.testing.assert_close(target_probs(logits, 1.0, top_k=2), torch.tensor([0.0, 0.625, 0.0, 0.375]))
     torch.testing.assert_close(target_probs(logits, 1.0, top_k=1), torch.tensor([0.0, 1.0, 0.0, 0.0]))
     torch.testing.assert_close(target_probs(logits, 1.0, top_p=0.7), torch.tensor([0.0, 0.625, 0.0, 0.375]))
-    torch.testing.assert_close(target_probs(logits, 1.0, top_p=0.85), torch.tensor([0.0, 0.5, 0.15, 0.3]) / 0.95)
+    torch.testing.assert_close(
+        target_probs(logits, 1.0, top_p=0.85), torch.tensor([0.0, 0.5, 0.15, 0.3]) / 0.95
+    )
     torch.testing.assert_close(target_probs(logits, 1.0, top_p=0.3), torch.tensor([0.0, 1.0, 0.0, 0.0]))
     # top-k first, then top-p on the renormalised rest: 0.5/0.95, 0.3/0.95 = 0.842 >= 0.8 keeps two
-    torch.testing.assert_close(target_probs(logits, 1.0, top_k=3, top_p=0.8), torch.tensor([0.0, 0.625, 0.0, 0.375]))
+    torch.testing.assert_close(
+        target_probs(logits, 1.0, top_k=3, top_p=0.8), torch.tensor([0.0, 0.625, 0.0, 0.375])
+    )
 
 
-@pytest.mark.parametrize("temperature, top_k, top_p", [(0.7, 0, 1.0), (1.0, 5, 1.0), (1.3, 0, 0.9), (0.8, 7, 0.6)])
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p", [(0.7, 0, 1.0), (1.0, 5, 1.0), (1.3, 0, 0.9), (0.8, 7, 0.6)]
+)
 def test_target_probs_match_transformers_warpers(temperature, top_k, top_p):
     """Plain sampling here and HF `generate(do_sample=True)` must draw from the same distribution."""
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(1)) * 3
@@ -82,10 +99,12 @@ def test_target_probs_match_transformers_warpers(temperature, top_k, top_p):
     torch.testing.assert_close(target_probs(logits, temperature, top_p, top_k), torch.softmax(scores, -1))
 
 
-def _sampling_tree(token_p: list[torch.Tensor], child_tokens: list[int], q: torch.Tensor) -> DraftTree:
+def _sampling_tree(child_tokens: list[int], q: torch.Tensor) -> DraftTree:
     """Root with children `child_tokens` (in draw order) drawn from q (V,)."""
     n = len(child_tokens)
-    return _tree([0] + child_tokens, [-1] + [0] * n, [0] + list(range(n)), q_rows=[0] + [-1] * n, q_table=q[None])
+    return _tree(
+        [0] + child_tokens, [-1] + [0] * n, [0] + list(range(n)), q_rows=[0] + [-1] * n, q_table=q[None]
+    )
 
 
 def test_sampling_accepts_always_when_draft_equals_target():
@@ -94,7 +113,10 @@ def test_sampling_accepts_always_when_draft_equals_target():
     p = target_probs(logits, 0.9)
     for seed in range(50):
         gen.manual_seed(seed)
-        tokens = [int(torch.multinomial(p[0], 1, generator=gen)), int(torch.multinomial(p[1], 1, generator=gen))]
+        tokens = [
+            int(torch.multinomial(p[0], 1, generator=gen)),
+            int(torch.multinomial(p[1], 1, generator=gen)),
+        ]
         tree = _tree([0] + tokens, [-1, 0, 1], q_rows=[0, 1, -1], q_table=p[:2].clone())
         path, bonus = accept_sampling(tree, logits, 0.9, 1.0, 0, gen)
         assert path == [0, 1, 2]
@@ -103,33 +125,37 @@ def test_sampling_accepts_always_when_draft_equals_target():
 
 def test_sampling_rejects_zero_mass_tokens_and_samples_the_residual():
     logits = torch.full((2, V), -math.inf)
-    logits[0, [1, 2]] = 0.0                      # p = 0.5 on tokens 1 and 2, nothing on the draft token 0
+    logits[0, [1, 2]] = 0.0  # p = 0.5 on tokens 1 and 2, nothing on the draft token 0
     q = torch.zeros(V)
-    q[[0, 1]] = 0.5                              # residual max(0, p - q) = 0.5 on token 2 only
+    q[[0, 1]] = 0.5  # residual max(0, p - q) = 0.5 on token 2 only
     for seed in range(40):
-        path, bonus = accept_sampling(_sampling_tree([], [0], q), logits, 1.0, 1.0, 0, torch.Generator().manual_seed(seed))
+        path, bonus = accept_sampling(
+            _sampling_tree([0], q), logits, 1.0, 1.0, 0, torch.Generator().manual_seed(seed)
+        )
         assert (path, bonus) == ([0], 2)
 
 
 def test_sampling_second_sibling_is_tested_against_the_residual():
     logits = torch.full((3, V), -math.inf)
-    logits[0, [1, 2]] = 0.0                      # p: tokens 1, 2 at 0.5
+    logits[0, [1, 2]] = 0.0  # p: tokens 1, 2 at 0.5
     q = torch.zeros(V)
-    q[[0, 3]] = 0.5                              # both siblings (0 then 3) have zero target mass
+    q[[0, 3]] = 0.5  # both siblings (0 then 3) have zero target mass
     bonuses = set()
     for seed in range(60):
-        path, bonus = accept_sampling(_sampling_tree([], [0, 3], q), logits, 1.0, 1.0, 0, torch.Generator().manual_seed(seed))
+        path, bonus = accept_sampling(
+            _sampling_tree([0, 3], q), logits, 1.0, 1.0, 0, torch.Generator().manual_seed(seed)
+        )
         assert path == [0]
         bonuses.add(bonus)
-    assert bonuses == {1, 2}                     # sampled from normalize(max(0, p - q)) = p here, never 0 or 3
+    assert bonuses == {1, 2}  # sampled from normalize(max(0, p - q)) = p here, never 0 or 3
 
 
 def test_sampling_accept_rate_matches_min_one_p_over_q():
     logits = torch.log(torch.tensor([[0.2, 0.8] + [1e-30] * (V - 2)] * 2))
     q = torch.zeros(V)
-    q[[0, 1]] = torch.tensor([0.8, 0.2])         # draft token 0 accepted with p/q = 0.25
+    q[[0, 1]] = torch.tensor([0.8, 0.2])  # draft token 0 accepted with p/q = 0.25
     gen = torch.Generator().manual_seed(0)
-    outcomes = [accept_sampling(_sampling_tree([], [0], q), logits, 1.0, 1.0, 0, gen) for _ in range(2000)]
+    outcomes = [accept_sampling(_sampling_tree([0], q), logits, 1.0, 1.0, 0, gen) for _ in range(2000)]
     accepted = sum(path == [0, 1] for path, _ in outcomes)
-    assert 400 < accepted < 600                  # 0.25 * 2000 = 500, 5 sigma ~ 97
+    assert 400 < accepted < 600  # 0.25 * 2000 = 500, 5 sigma ~ 97
     assert all(bonus == 1 for path, bonus in outcomes if path == [0])  # residual (0, 0.6) -> token 1 only

@@ -13,12 +13,15 @@ def test_four_node_tree_by_hand():
     assert tree.parents.tolist() == [-1, 0, 0, 1]
     assert tree.ranks.tolist() == [0, 0, 1, 0]
     assert tree.position_ids.tolist() == [0, 1, 1, 2]
-    expected_mask = torch.tensor([
-        [1, 0, 0, 0],
-        [1, 1, 0, 0],
-        [1, 0, 1, 0],
-        [1, 1, 0, 1],
-    ], dtype=torch.bool)
+    expected_mask = torch.tensor(
+        [
+            [1, 0, 0, 0],
+            [1, 1, 0, 0],
+            [1, 0, 1, 0],
+            [1, 1, 0, 1],
+        ],
+        dtype=torch.bool,
+    )
     assert tree.attn_mask.dtype == torch.bool
     assert torch.equal(tree.attn_mask, expected_mask)
     assert tree.retrieve_indices.tolist() == [[0, 2, -1], [0, 1, 3]]
@@ -33,15 +36,18 @@ def test_chain_tree():
     assert tree.depth == 3
 
 
-@pytest.mark.parametrize("paths, message", [
-    ([(0,), (0, 0, 0)], r"not prefix-closed: path \(0, 0, 0\) needs its prefix \(0, 0\)"),
-    ([(0,), (1, 0)], r"not prefix-closed: path \(1, 0\) needs its prefix \(1,\)"),
-    ([(0,), (2,)], r"path \(2,\) skips sibling rank 1"),
-    ([(0,), (0, 1)], r"path \(0, 1\) skips sibling rank 0"),
-    ([(0,), (0,)], r"path \(0,\) appears twice"),
-    ([(0,), ()], "must be non-empty"),
-    ([(0,), (0, -1)], r"ranks must be >= 0, got \(0, -1\)"),
-])
+@pytest.mark.parametrize(
+    "paths, message",
+    [
+        ([(0,), (0, 0, 0)], r"not prefix-closed: path \(0, 0, 0\) needs its prefix \(0, 0\)"),
+        ([(0,), (1, 0)], r"not prefix-closed: path \(1, 0\) needs its prefix \(1,\)"),
+        ([(0,), (2,)], r"path \(2,\) skips sibling rank 1"),
+        ([(0,), (0, 1)], r"path \(0, 1\) skips sibling rank 0"),
+        ([(0,), (0,)], r"path \(0,\) appears twice"),
+        ([(0,), ()], "must be non-empty"),
+        ([(0,), (0, -1)], r"ranks must be >= 0, got \(0, -1\)"),
+    ],
+)
 def test_invalid_trees_raise(paths, message):
     with pytest.raises(ValueError, match=message):
         build_tree(paths)
@@ -106,8 +112,11 @@ def test_dynamic_tree_rejects_zero(field):
 
 
 def test_draft_tree_children_by_rank():
-    tree = DraftTree(tokens=torch.tensor([5, 6, 7, 8, 9]), parents=torch.tensor([-1, 0, 0, 2, 2]),
-                     ranks=torch.tensor([0, 1, 0, 1, 0]))
+    tree = DraftTree(
+        tokens=torch.tensor([5, 6, 7, 8, 9]),
+        parents=torch.tensor([-1, 0, 0, 2, 2]),
+        ranks=torch.tensor([0, 1, 0, 1, 0]),
+    )
     assert tree.children == [[2, 1], [], [4, 3], [], []]
     assert tree.depths.tolist() == [0, 1, 1, 2, 2]
     assert len(tree) == 5

@@ -10,11 +10,21 @@ from heads.eagle import EagleConfig, EagleHead
 
 H, V, VD = 32, 128, 64
 EAGLE3_KEYS = {  # REFERENCE section 3, SGLang / official form
-    "fc.weight", "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight",
-    "midlayer.self_attn.v_proj.weight", "midlayer.self_attn.o_proj.weight", "midlayer.mlp.gate_proj.weight",
-    "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight", "midlayer.input_layernorm.weight",
-    "midlayer.hidden_norm.weight", "midlayer.post_attention_layernorm.weight", "norm.weight", "lm_head.weight",
-    "d2t", "t2d",
+    "fc.weight",
+    "midlayer.self_attn.q_proj.weight",
+    "midlayer.self_attn.k_proj.weight",
+    "midlayer.self_attn.v_proj.weight",
+    "midlayer.self_attn.o_proj.weight",
+    "midlayer.mlp.gate_proj.weight",
+    "midlayer.mlp.up_proj.weight",
+    "midlayer.mlp.down_proj.weight",
+    "midlayer.input_layernorm.weight",
+    "midlayer.hidden_norm.weight",
+    "midlayer.post_attention_layernorm.weight",
+    "norm.weight",
+    "lm_head.weight",
+    "d2t",
+    "t2d",
 }
 
 
@@ -37,7 +47,7 @@ def llama(build_target):
 def test_forward_and_logit_shapes(llama, head_type):
     head = _head(llama.config, head_type)
     taps = len(head.feature_layers)
-    assert head.feature_layers == ((-1,) if head_type == "eagle1" else (0, 1, 3))
+    assert head.feature_layers == ((-1,) if head_type == "eagle1" else (0, 1, 2))
     features = head.project_features(torch.randn(1, 5, taps * H))
     hidden = head(features, torch.randn(1, 5, H), torch.arange(5)[None])
     assert features.shape == hidden.shape == (1, 5, H)
@@ -86,12 +96,15 @@ def test_fresh_eagle3_draft_vocab_is_identity(llama):
     assert torch.equal(torch.nonzero(head.t2d).flatten(), torch.arange(VD))
 
 
-@pytest.mark.parametrize("ids, message", [
-    (torch.arange(VD - 1), "needs 64 distinct ids, got 63"),
-    (torch.cat([torch.arange(VD - 1), torch.tensor([0])]), r"got 64 \(63 distinct\)"),
-    (torch.arange(VD) + V - VD + 1, r"ids must lie in \[0, 128\)"),
-    (torch.arange(VD) - 1, r"ids must lie in \[0, 128\)"),
-])
+@pytest.mark.parametrize(
+    "ids, message",
+    [
+        (torch.arange(VD - 1), "needs 64 distinct ids, got 63"),
+        (torch.cat([torch.arange(VD - 1), torch.tensor([0])]), r"got 64 \(63 distinct\)"),
+        (torch.arange(VD) + V - VD + 1, r"ids must lie in \[0, 128\)"),
+        (torch.arange(VD) - 1, r"ids must lie in \[0, 128\)"),
+    ],
+)
 def test_bad_draft_vocab_raises(llama, ids, message):
     head = _head(llama.config, "eagle3")
     d2t = head.d2t.clone()
@@ -121,14 +134,15 @@ def test_from_target_picks_gemma3_full_attention_rope(build_target):
     cfg = EagleConfig.from_target(text, "eagle3")
     assert cfg.rope_parameters == {"rope_type": "default", "rope_theta": 1_000_000.0}
     assert (cfg.hidden_size, cfg.head_dim, cfg.num_key_value_heads, cfg.vocab_size) == (H, 8, 2, V)
-    assert cfg.aux_layer_ids == (0, 1, 3)
-    assert EagleConfig.from_target(build_target("llama", rope_theta=5e5).config, "eagle1").rope_parameters == {
-        "rope_type": "default", "rope_theta": 5e5}
+    assert cfg.aux_layer_ids == (0, 1, 2)
+    assert EagleConfig.from_target(
+        build_target("llama", rope_theta=5e5).config, "eagle1"
+    ).rope_parameters == {"rope_type": "default", "rope_theta": 5e5}
 
 
 # ---- the draft's tree attention equals causal decoding along each node's path --------------------------
 
-CHAIN = [[0], [1], [2]]               # parents of the new nodes, one list per depth; node ids count up from 1
+CHAIN = [[0], [1], [2]]  # parents of the new nodes, one list per depth; node ids count up from 1
 BRANCHING = [[0, 0], [1, 1, 2], [4]]  # two siblings at depth 1; node 4 (2nd child of node 1) grows on
 
 
@@ -145,6 +159,15 @@ def _causal_path_outputs(head, drafter, feats, tokens, path_tokens):
     return hiddens  # hiddens[0] = root (last committed position), hiddens[d] = the path's depth-d node
 
 
+def _path_tokens(node: int, parents: list[int], tokens: list[int]) -> list[int]:
+    """Tokens from the root's first child down to `node` (the root itself excluded)."""
+    path = []
+    while node > 0:
+        path.insert(0, tokens[node])
+        node = parents[node]
+    return path
+
+
 @pytest.mark.parametrize("levels", [CHAIN, BRANCHING], ids=["chain", "branching"])
 @pytest.mark.parametrize("head_type", ["eagle1", "eagle3"])
 def test_draft_tree_attention_equals_causal(llama, head_type, levels):
@@ -157,14 +180,16 @@ def test_draft_tree_attention_equals_causal(llama, head_type, levels):
     committed = 0
     with torch.no_grad():
         for new in (6, 3):  # two proposals: the second checks end_proposal() dropped the first tree's KV
-            drafter.advance(raw[committed:committed + new], next_tokens[committed:committed + new])
+            drafter.advance(raw[committed : committed + new], next_tokens[committed : committed + new])
             committed += new
             assert drafter.committed == committed and len(drafter.cache) == committed
             feats = head.project_features(raw[None, :committed])
             tokens = next_tokens[:committed]
             parents, node_tokens = [-1], [int(tokens[-1])]
             root_ref = _causal_path_outputs(head, drafter, feats, tokens, [])[0]
-            torch.testing.assert_close(drafter.root_logits(), head.logits(root_ref, llama.lm_head), atol=1e-5, rtol=0)
+            torch.testing.assert_close(
+                drafter.root_logits(), head.logits(root_ref, llama.lm_head), atol=1e-5, rtol=0
+            )
             for depth, level in enumerate(levels, start=1):
                 nodes = list(range(len(parents), len(parents) + len(level)))
                 level_tokens = torch.randint(0, V, (len(level),), generator=gen)
@@ -173,15 +198,14 @@ def test_draft_tree_attention_equals_causal(llama, head_type, levels):
                 logits = drafter.expand(nodes, level_tokens, level, depth)
                 assert logits.shape == (len(nodes), V if head_type == "eagle1" else VD)
                 for row, node in enumerate(nodes):
-                    path = []
-                    walk = node
-                    while walk > 0:
-                        path.insert(0, node_tokens[walk])
-                        walk = parents[walk]
+                    path = _path_tokens(node, parents, node_tokens)
                     assert len(path) == depth
                     expected = _causal_path_outputs(head, drafter, feats, tokens, path)[-1]
+                    # the node's output feature (private state: it feeds the node's children)
                     torch.testing.assert_close(drafter._hidden[node], expected, atol=1e-5, rtol=0)
-                    torch.testing.assert_close(logits[row], head.logits(expected, llama.lm_head), atol=1e-5, rtol=0)
+                    torch.testing.assert_close(
+                        logits[row], head.logits(expected, llama.lm_head), atol=1e-5, rtol=0
+                    )
             assert len(drafter.cache) == committed + len(parents) - 1
             drafter.end_proposal()
             assert len(drafter.cache) == committed

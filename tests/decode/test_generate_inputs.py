@@ -1,0 +1,83 @@
+"""Tests for decode/generate.py's argument checks: every bad call fails before any work, with a message that
+names the offending value."""
+
+import pytest
+import torch
+from torch import nn
+
+from decode import generate
+from heads.eagle import EagleConfig, EagleHead
+from heads.medusa import MedusaConfig, MedusaHeads
+
+PROMPT = torch.tensor([[5, 17, 99, 3, 42, 8, 61]])
+V = 128
+
+
+def _medusa(num_heads=3, hidden_size=32, vocab_size=V):
+    return MedusaHeads(MedusaConfig(hidden_size=hidden_size, vocab_size=vocab_size, num_heads=num_heads))
+
+
+BAD_CALLS = {
+    "empty prompt": ({"input_ids": torch.zeros(1, 0, dtype=torch.long)}, ValueError, r"non-empty.*\(1, 0\)"),
+    "no new tokens": ({"max_new_tokens": 0}, ValueError, "max_new_tokens must be >= 1, got 0"),
+    "negative new tokens": ({"max_new_tokens": -3}, ValueError, "max_new_tokens must be >= 1, got -3"),
+    "negative temperature": ({"temperature": -0.5}, ValueError, "temperature must be >= 0, got -0.5"),
+    "top_p zero": ({"temperature": 1.0, "top_p": 0.0}, ValueError, r"top_p must be in \(0, 1\], got 0.0"),
+    "top_p above one": (
+        {"temperature": 1.0, "top_p": 1.5},
+        ValueError,
+        r"top_p must be in \(0, 1\], got 1.5",
+    ),
+    "negative top_k": ({"temperature": 1.0, "top_k": -1}, ValueError, "top_k must be >= 0, got -1"),
+    "batch of two": ({"input_ids": PROMPT.repeat(2, 1)}, NotImplementedError, "batch size 2"),
+    "3-d prompt": ({"input_ids": PROMPT[None]}, ValueError, r"\(1, 1, 7\)"),
+    "tree not prefix-closed": (
+        {"heads": lambda m: _medusa(), "tree": [(0,), (0, 0, 0)]},
+        ValueError,
+        r"not prefix-closed: path \(0, 0, 0\) needs its prefix \(0, 0\)",
+    ),
+    "tree deeper than medusa": (
+        {"heads": lambda m: _medusa(num_heads=2), "tree": "chain4"},
+        ValueError,
+        "tree depth 4 exceeds the 2 levels",
+    ),
+    "heads for wider target": (
+        {"heads": lambda m: _medusa(hidden_size=48)},
+        ValueError,
+        "hidden_size=48, but this target has hidden_size=32",
+    ),
+    "heads for larger vocab": (
+        {"heads": lambda m: EagleHead(EagleConfig.from_target(m.config, "eagle1", vocab_size=256))},
+        ValueError,
+        "vocab_size=256, but this target has vocab_size=128",
+    ),
+    "taps beyond depth": (
+        {"heads": lambda m: EagleHead(EagleConfig.from_target(m.config, "eagle3", aux_layer_ids=(0, 9)))},
+        ValueError,
+        "tap layer 9, but this target has 4 layers",
+    ),
+    "typical at greedy": ({"acceptance": "typical"}, ValueError, "typical acceptance applies to sampling"),
+    "unknown acceptance": ({"acceptance": "fast"}, ValueError, "acceptance must be 'lossless' or 'typical'"),
+    "unknown tree name": (
+        {"heads": lambda m: _medusa(), "tree": "tree99"},
+        ValueError,
+        r"unknown tree name 'tree99'.*chain4",
+    ),
+    "tree of wrong type": ({"heads": lambda m: _medusa(), "tree": 7}, TypeError, "got int"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_CALLS)
+def test_bad_input_raises(build_target, case):
+    model = build_target("llama")
+    kwargs, error, message = BAD_CALLS[case]
+    kwargs = {"input_ids": PROMPT, "max_new_tokens": 4, **kwargs}
+    if callable(kwargs.get("heads")):
+        kwargs["heads"] = kwargs["heads"](model)
+    with pytest.raises(error, match=message):
+        generate(model, **kwargs)
+
+
+def test_wrong_heads_type_raises_type_error(build_target):
+    with pytest.raises(TypeError, match="heads must be MedusaHeads or EagleHead"):
+        generate(build_target("llama"), PROMPT, nn.Linear(32, 32), max_new_tokens=4)

@@ -1,0 +1,159 @@
+"""Training losses as pure functions: EAGLE-1 (2401.15077 section 4.2), EAGLE-3 training-time test
+(2503.01840 section 3.2), Medusa-1 (2401.10774 section 2.2.1).
+
+Alignment used throughout: the target's hidden state / logits at position t predict token t + 1; a draft
+output at position t (input: feature t and token t + 1) predicts feature t + 1 and token t + 2, so its
+label is the target's distribution at t + 1 and it counts where token t + 2 is an assistant token.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from heads.eagle import DraftCache, EagleHead, additive_mask
+
+
+def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
+    """Mean of `values` where `mask` is set (0 when nothing is)."""
+    mask = mask.to(values.dtype)
+    return (values * mask).sum() / mask.sum().clamp_min(1.0)
+
+
+def soft_cross_entropy(logits: Tensor, target_probs: Tensor, mask: Tensor) -> Tensor:
+    """Masked mean of -sum_v p(v) log q(v); logits (..., V), target_probs (..., V), mask (...)."""
+    return masked_mean(-(target_probs * torch.log_softmax(logits.float(), dim=-1)).sum(-1), mask)
+
+
+def _top1(logits: Tensor, target_probs: Tensor, mask: Tensor) -> Tensor:
+    return masked_mean((logits.argmax(-1) == target_probs.argmax(-1)).float(), mask)
+
+
+def eagle1_loss(head: EagleHead, target_features: Tensor, input_ids: Tensor, target_logits: Tensor,
+                loss_mask: Tensor, embed: nn.Module, lm_head: nn.Module, *, noise_width: float = 0.2,
+                feature_weight: float = 1.0, ce_weight: float = 0.1,
+                generator: torch.Generator | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """EAGLE-1: SmoothL1 on predicted features + soft cross-entropy through the frozen lm_head.
+
+    Args:
+        head: an eagle1 head.
+        target_features: (B, T, H) target final hidden states.
+        input_ids: (B, T) tokens.
+        target_logits: (B, T, V) target logits.
+        loss_mask: (B, T) 1 on tokens to learn (assistant tokens).
+        embed, lm_head: the target's frozen embedding and lm_head.
+        noise_width: width of the uniform noise added to input features (EAGLE's robustness trick).
+        feature_weight, ce_weight: loss weights (1.0 and 0.1 in EAGLE).
+        generator: random source for the noise.
+    Returns:
+        (loss, metrics) with metrics `feature_loss`, `ce_loss`, `top1`.
+    """
+    b, t, _ = target_features.shape
+    feats = target_features[:, :-1]                                                    # (B, T-1, H)
+    if noise_width > 0:
+        noise = torch.rand(feats.shape, generator=generator, device=feats.device, dtype=feats.dtype)
+        feats = feats + (noise - 0.5) * noise_width
+    embeds = embed(input_ids[:, 1:]).to(feats.dtype)                                  # (B, T-1, H)
+    positions = torch.arange(t - 1, device=feats.device).expand(b, -1)
+    predicted = head(feats, embeds, positions)[:, :-1]                                # (B, T-2, H)
+    mask = loss_mask[:, 2:].bool()                                                    # token t + 2
+    feature_loss = masked_mean(F.smooth_l1_loss(predicted.float(), target_features[:, 1:-1].float(),
+                                                reduction="none").mean(-1), mask)
+    target_probs = torch.softmax(target_logits[:, 1:-1].float(), dim=-1)
+    logits = lm_head(predicted)
+    ce_loss = soft_cross_entropy(logits, target_probs, mask)
+    loss = feature_weight * feature_loss + ce_weight * ce_loss
+    return loss, {"feature_loss": feature_loss.detach(), "ce_loss": ce_loss.detach(),
+                  "top1": _top1(logits.detach(), target_probs, mask)}
+
+
+def ttt_attention_mask(length: int, step: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """(1, 1, L, (step + 1) * L) mask of unrolled step `step` over keys of steps 0..step, in step order.
+
+    The query of step j at position t plays a depth-j tree node whose committed prefix ends at t - j: it
+    sees step-0 keys at positions <= t - j, the key of step i at position t - j + i (its ancestors,
+    0 < i < j) and itself, exactly as at decode time (decode/propose.py `EagleDrafter.expand`).
+    """
+    pos = torch.arange(length, device=device)
+    allowed = [pos[None, :] <= (pos[:, None] - step)]                                 # step 0: causal, shifted
+    for i in range(1, step + 1):
+        allowed.append(pos[None, :] == (pos[:, None] - step + i))                      # one diagonal per step
+    mask = torch.cat(allowed, dim=1)
+    mask[:, step * length:] |= torch.eye(length, dtype=torch.bool, device=device)      # rows t < j: self only
+    return additive_mask(mask, dtype)[None, None]
+
+
+def eagle3_ttt_loss(head: EagleHead, target_features: Tensor, input_ids: Tensor, target_logits: Tensor,
+                    loss_mask: Tensor, embed: nn.Module, *, ttt_steps: int = 3,
+                    decay: float = 0.8) -> tuple[Tensor, dict[str, Tensor]]:
+    """EAGLE-3 training-time test: unroll the draft on its own features for `ttt_steps` steps.
+
+    Step 0 reads the fused target taps; step j reads step j-1's output at the previous position. Each
+    step's logits over the draft vocabulary are trained against the target's distribution restricted to
+    the draft vocabulary (renormalised), weighted decay**j.
+
+    Args:
+        head: an eagle3 head (its t2d selects the draft vocabulary).
+        target_features: (B, T, taps * H) concatenated tapped target states.
+        input_ids, target_logits, loss_mask: (B, T), (B, T, V), (B, T).
+        embed: the target's frozen embedding.
+        ttt_steps: unrolled steps (>= 1).
+        decay: step weight base.
+    Returns:
+        (loss, metrics) with `loss_step{j}` and `top1_step{j}` per step.
+    """
+    if ttt_steps < 1:
+        raise ValueError(f"ttt_steps must be >= 1, got {ttt_steps}")
+    b, t, _ = target_features.shape
+    length = t - 1
+    features = head.project_features(target_features[:, :-1])                        # (B, T-1, H)
+    embeds = embed(input_ids[:, 1:]).to(features.dtype)                               # (B, T-1, H)
+    positions = torch.arange(length, device=features.device).expand(b, -1)
+    target_probs = torch.softmax(target_logits[:, 1:, head.t2d].float(), dim=-1)       # (B, T-1, Vd)
+    token_mask = torch.zeros(b, length, dtype=torch.bool, device=features.device)
+    token_mask[:, :-1] = loss_mask[:, 2:].bool()                                       # token t + 2
+    cache = DraftCache()
+    total = features.new_zeros((), dtype=torch.float32)
+    metrics: dict[str, Tensor] = {}
+    index = torch.arange(length, device=features.device)
+    for step in range(ttt_steps):
+        mask = ttt_attention_mask(length, step, features.dtype, features.device)
+        hidden = head(features, embeds, positions, cache, attention_mask=mask)         # (B, T-1, H)
+        logits = head.logits(hidden, None)                                             # (B, T-1, Vd)
+        valid = token_mask & (index >= step)[None]                                     # a full chain exists
+        step_loss = soft_cross_entropy(logits, target_probs, valid)
+        total = total + decay**step * step_loss
+        metrics[f"loss_step{step}"] = step_loss.detach()
+        metrics[f"top1_step{step}"] = _top1(logits.detach(), target_probs, valid)
+        features = torch.cat([torch.zeros_like(hidden[:, :1]), hidden[:, :-1]], dim=1)  # step j+1 input at t
+    return total, metrics
+
+
+def medusa_loss(head_logits: Tensor, input_ids: Tensor, loss_mask: Tensor, *,
+                decay: float = 0.8) -> tuple[Tensor, dict[str, Tensor]]:
+    """Medusa-1: cross-entropy of head k against token t + k + 2, weighted decay**k.
+
+    Args:
+        head_logits: (K, B, T, V) logits of the K heads.
+        input_ids: (B, T) tokens.
+        loss_mask: (B, T) 1 on tokens to learn.
+        decay: head weight base (0.8 in Medusa).
+    Returns:
+        (loss, metrics) with `loss_head{k}` and `top1_head{k}`.
+    """
+    total = head_logits.new_zeros((), dtype=torch.float32)
+    metrics: dict[str, Tensor] = {}
+    t = input_ids.shape[1]
+    for k in range(head_logits.shape[0]):
+        shift = k + 2
+        if shift >= t:
+            break
+        logits = head_logits[k, :, : t - shift].float()                                # (B, T-k-2, V)
+        labels, mask = input_ids[:, shift:], loss_mask[:, shift:].bool()
+        ce = F.cross_entropy(logits.transpose(1, 2), labels, reduction="none")
+        head_loss = masked_mean(ce, mask)
+        total = total + decay**k * head_loss
+        metrics[f"loss_head{k}"] = head_loss.detach()
+        metrics[f"top1_head{k}"] = masked_mean((logits.detach().argmax(-1) == labels).float(), mask)
+    return total, metrics
