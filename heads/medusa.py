@@ -71,6 +71,13 @@ class MedusaHeads(nn.Module):
                                  f"{tuple(proj.weight.shape)}")
             proj.weight.copy_(lm_head_weight)
 
+    def head_logits(self, k: int, hidden_states: Tensor, lm_head: nn.Module | None = None) -> Tensor:
+        """Logits (..., V) of head k alone (training computes one head at a time to bound memory)."""
+        if self.lm_heads is None and lm_head is None:
+            raise ValueError("these Medusa heads share the target's lm_head: pass lm_head=")
+        projection = self.lm_heads[k] if self.lm_heads is not None else lm_head
+        return projection(self.blocks[k](hidden_states))
+
     def forward(self, hidden_states: Tensor, lm_head: nn.Module | None = None) -> Tensor:
         """Logits of every head.
 

@@ -1,5 +1,5 @@
 """Training losses as pure functions: EAGLE-1 (2401.15077 section 4.2), EAGLE-3 training-time test
-(2503.01840 section 3.2), Medusa-1 (2401.10774 section 2.2.1).
+(2503.01840 section 3.2), Medusa-1 and Medusa-2's head term (2401.10774 section 2.2).
 
 Alignment used throughout: the target's hidden state / logits at position t predict token t + 1; a draft
 output at position t (input: feature t and token t + 1) predicts feature t + 1 and token t + 2, so its
@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from heads.eagle import DraftCache, EagleHead, additive_mask
+from heads.medusa import MedusaHeads
 
 
 def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
@@ -156,4 +157,35 @@ def medusa_loss(head_logits: Tensor, input_ids: Tensor, loss_mask: Tensor, *,
         total = total + decay**k * head_loss
         metrics[f"loss_head{k}"] = head_loss.detach()
         metrics[f"top1_head{k}"] = masked_mean((logits.detach().argmax(-1) == labels).float(), mask)
+    return total, metrics
+
+
+def medusa_loss_from_hidden(heads: MedusaHeads, hidden: Tensor, input_ids: Tensor, loss_mask: Tensor, *,
+                            decay: float = 0.8, lm_head: nn.Module | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """`medusa_loss` computed head by head on the masked positions only, never materialising (K, B, T, V).
+
+    Args:
+        heads: the Medusa heads.
+        hidden: (B, T, H) target final hidden states.
+        input_ids, loss_mask: (B, T).
+        decay: head weight base.
+        lm_head: the target's lm_head when the heads share it.
+    Returns:
+        (loss, metrics) equal to `medusa_loss(heads(hidden), ...)`.
+    """
+    total = hidden.new_zeros((), dtype=torch.float32)
+    metrics: dict[str, Tensor] = {}
+    t = input_ids.shape[1]
+    for k in range(heads.config.num_heads):
+        shift = k + 2
+        if shift >= t:
+            break
+        mask = loss_mask[:, shift:].bool()                                             # (B, T-k-2)
+        labels = input_ids[:, shift:][mask]                                            # (M,)
+        logits = heads.head_logits(k, hidden[:, : t - shift][mask], lm_head).float()   # (M, V)
+        head_loss = F.cross_entropy(logits, labels) if labels.numel() else logits.sum() * 0.0
+        total = total + decay**k * head_loss
+        metrics[f"loss_head{k}"] = head_loss.detach()
+        metrics[f"top1_head{k}"] = (logits.detach().argmax(-1) == labels).float().mean() if labels.numel() \
+            else head_loss.detach()
     return total, metrics

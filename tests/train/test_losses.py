@@ -134,3 +134,19 @@ def test_losses_can_be_minimised(target, kind):
     assert loss.item() < first, f"{kind}: loss {first:.3f} -> {loss.item():.3f}"
     top1 = {k: v.item() for k, v in metrics.items() if k.startswith("top1")}
     assert min(top1.values()) >= 0.8, f"{kind}: top-1 after training {top1}"
+
+
+def test_medusa_loss_from_hidden_equals_full_logits_version():
+    from train.losses import medusa_loss_from_hidden
+
+    torch.manual_seed(4)
+    heads = MedusaHeads(MedusaConfig(H, V, num_heads=3))
+    for block in heads.blocks:  # non-identity blocks
+        torch.nn.init.normal_(block[0].linear.weight, std=0.3)
+    hidden, ids = torch.randn(2, 11, H), torch.randint(0, V, (2, 11))
+    mask = (torch.rand(2, 11) > 0.3).long()
+    full, full_metrics = medusa_loss(heads(hidden), ids, mask)
+    light, light_metrics = medusa_loss_from_hidden(heads, hidden, ids, mask)
+    torch.testing.assert_close(light, full, atol=1e-5, rtol=1e-5)
+    for key, value in full_metrics.items():
+        torch.testing.assert_close(light_metrics[key], value, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,83 @@
+"""Resume states and exports (STYLE section 5): resume = `accelerator.save_state`, never shipped; export =
+`heads.save_heads` (config.json + model.safetensors). Resume states are written atomically: a killed run
+leaves either the previous complete state or the new complete one, never a half-written one as "latest"."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from accelerate import Accelerator
+from torch import nn
+
+from heads.io import build_head, save_heads
+
+STATE_DIR = "state"
+EXPORT_DIR = "head"
+PROGRESS_FILE = "progress.json"
+
+
+def latest_state(output_dir: str | Path) -> Path | None:
+    """The newest complete resume state under `output_dir/state`, or None."""
+    root = Path(output_dir) / STATE_DIR
+    done = [p for p in root.glob("step-*") if (p / PROGRESS_FILE).is_file()] if root.is_dir() else []
+    return max(done, key=lambda p: int(p.name.split("-")[1]), default=None)
+
+
+def save_state(accelerator: Accelerator, output_dir: str | Path, step: int, keep: int) -> Path:
+    """Write the resume state of optimizer step `step` and keep the `keep` newest ones.
+
+    Every rank writes its part (accelerate), then the main process marks it complete with progress.json and
+    renames it into place; the marker is written last, so `latest_state` never picks a partial state.
+    """
+    root = Path(output_dir) / STATE_DIR
+    final, partial = root / f"step-{step}", root / f".step-{step}.partial"
+    if accelerator.is_main_process:
+        shutil.rmtree(partial, ignore_errors=True)
+        root.mkdir(parents=True, exist_ok=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(partial))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        tmp = partial / f"{PROGRESS_FILE}.tmp"
+        tmp.write_text(json.dumps({"step": step}) + "\n")
+        os.replace(tmp, partial / PROGRESS_FILE)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(partial, final)
+        states = sorted((p for p in root.glob("step-*") if (p / PROGRESS_FILE).is_file()),
+                        key=lambda p: int(p.name.split("-")[1]))
+        for old in states[: max(0, len(states) - max(1, keep))]:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def load_state(accelerator: Accelerator, state: Path) -> int:
+    """Restore a resume state; returns the optimizer step it was taken at."""
+    accelerator.load_state(str(state))
+    return int(json.loads((state / PROGRESS_FILE).read_text())["step"])
+
+
+def export_head(accelerator: Accelerator, wrapper: nn.Module, output_dir: str | Path, attr: str = "head",
+                **save_kwargs) -> Path:
+    """Write the head-only export `output_dir/head` from the main process.
+
+    Args:
+        accelerator: the run's accelerator.
+        wrapper: the prepared training module; its attribute `attr` is the head.
+        attr: name of that attribute ("head" for EAGLE, "heads" for Medusa).
+        output_dir: run folder.
+        save_kwargs: passed to `heads.save_heads` (base_model, base_revision, target, extra).
+    """
+    path = Path(output_dir) / EXPORT_DIR
+    state = accelerator.get_state_dict(wrapper)  # collective under ZeRO-3: every rank gathers its shards
+    if accelerator.is_main_process:
+        head = getattr(accelerator.unwrap_model(wrapper), attr)
+        fresh = build_head(head.head_type, head.config.to_dict())  # full-size even when ZeRO-3 sharded `head`
+        prefix = f"{attr}."
+        fresh.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+        save_heads(fresh, path, **save_kwargs)
+    accelerator.wait_for_everyone()
+    return path

@@ -1,0 +1,128 @@
+"""Pieces both recipes use: the accelerator for CPU/GPU/DeepSpeed, the datasets, the per-epoch batches, the
+optimizer schedule, the NaN guard and the periodic simulated-tau evaluation. Plain functions, no framework."""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType, InitProcessGroupKwargs
+from datasets import Dataset
+from torch import nn
+from torch.utils.data import DataLoader
+from transformers import get_scheduler
+
+from train.config import DataConfig, TrainConfig
+from train.data import build_dataset, collate, split_eval
+
+
+def make_accelerator(train: TrainConfig) -> Accelerator:
+    """Accelerator for this machine: CPU processes join over gloo; DeepSpeed keeps its engine on CPU too.
+
+    `cpu=True` is what makes 2 CUDA-less processes form one DDP group, but it silently drops DeepSpeed,
+    which instead needs the gloo process-group backend (REFERENCE section 6).
+    """
+    if train.report_to == "wandb" and not os.environ.get("WANDB_API_KEY") and "WANDB_MODE" not in os.environ:
+        os.environ["WANDB_MODE"] = "offline"  # no key: log locally instead of raising
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    kwargs = dict(gradient_accumulation_steps=train.gradient_accumulation_steps,
+                  mixed_precision=train.mixed_precision,
+                  log_with=None if train.report_to == "none" else train.report_to,
+                  project_dir=train.output_dir)
+    if not torch.cuda.is_available():
+        if deepspeed:
+            kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
+        else:
+            kwargs["cpu"] = True
+    accelerator = Accelerator(**kwargs)
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        ds = accelerator.state.deepspeed_plugin.deepspeed_config
+        ds["gradient_clipping"] = train.max_grad_norm  # "auto" would become 1.0, not our value
+        ds["train_micro_batch_size_per_gpu"] = train.per_device_batch_size
+        ds["gradient_accumulation_steps"] = train.gradient_accumulation_steps
+        ds["train_batch_size"] = (train.per_device_batch_size * train.gradient_accumulation_steps
+                                  * accelerator.num_processes)
+    return accelerator
+
+
+def load_datasets(data: DataConfig, tokenizer, accelerator: Accelerator) -> tuple[Dataset, Dataset | None]:
+    """(train, eval) datasets, rendered with the target's chat template and masked to assistant tokens."""
+    with accelerator.main_process_first():
+        train_set, report = build_dataset(data.train_files, tokenizer, data.max_length, data.max_bad_fraction)
+        accelerator.print(f"train data: {report}")
+        eval_set = None
+        if data.eval_files:
+            eval_set, eval_report = build_dataset(data.eval_files, tokenizer, data.max_length, data.max_bad_fraction)
+            accelerator.print(f"eval data: {eval_report}")
+        elif data.eval_fraction > 0:
+            train_set, eval_set = split_eval(train_set, data.eval_fraction, data.shuffle_seed)
+    if len(train_set) == 0:
+        raise ValueError(f"no usable training rows in {data.train_files}")
+    return train_set, eval_set
+
+
+def steps_per_epoch(dataset: Dataset, train: TrainConfig, num_processes: int) -> int:
+    """Optimizer steps in one pass over `dataset` (the last partial global batch is dropped)."""
+    global_batch = train.per_device_batch_size * train.gradient_accumulation_steps * num_processes
+    steps = len(dataset) // global_batch
+    if steps == 0:
+        raise ValueError(f"{len(dataset)} training rows are fewer than one global batch of {global_batch}")
+    return steps
+
+
+def epoch_loader(dataset: Dataset, train: TrainConfig, data: DataConfig, epoch: int, pad_id: int,
+                 accelerator: Accelerator, skip_batches: int = 0) -> DataLoader:
+    """This epoch's batches: a seeded shuffle (same order on every rank and on resume), sharded by accelerate."""
+    ordered = dataset.shuffle(seed=data.shuffle_seed + epoch)
+    loader = DataLoader(ordered, batch_size=train.per_device_batch_size, shuffle=False, drop_last=True,
+                        collate_fn=lambda rows: collate(rows, pad_id))
+    loader = accelerator.prepare_data_loader(loader)
+    return accelerator.skip_first_batches(loader, skip_batches) if skip_batches else loader
+
+
+def total_steps(train: TrainConfig, per_epoch: int) -> int:
+    return train.max_steps if train.max_steps > 0 else per_epoch * train.num_epochs
+
+
+def make_optimizer(param_groups, train: TrainConfig, num_steps: int):
+    """AdamW and the warmup + decay schedule, in optimizer steps."""
+    optimizer = torch.optim.AdamW(param_groups, lr=train.learning_rate, weight_decay=train.weight_decay,
+                                  betas=(train.adam_beta1, train.adam_beta2))
+    warmup = math.ceil(train.warmup_ratio * num_steps)
+    name = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[train.lr_scheduler]
+    return optimizer, get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=num_steps)
+
+
+def check_finite(loss: torch.Tensor, step: int, output_dir: str | Path) -> None:
+    """Stop on a NaN/inf loss; the last good resume state stays on disk."""
+    if not torch.isfinite(loss).all():
+        raise FloatingPointError(f"loss is {loss.item()} at optimizer step {step}: stopping. The last good "
+                                 f"resume state under {Path(output_dir) / 'state'} is kept; lower the learning "
+                                 f"rate or check the data, then rerun the same command to resume")
+
+
+@torch.no_grad()
+def simulated_tau(target: nn.Module, head: nn.Module, eval_set: Dataset | None, prompts: int,
+                  new_tokens: int) -> float | None:
+    """Median tau of greedy `decode.generate` with the current head on the first held-out prompts.
+
+    Each prompt is an eval row cut before its first assistant token (the head must continue a real chat).
+    """
+    from decode import generate  # train -> decode is an allowed import direction; lazy to keep start-up light
+
+    if eval_set is None or prompts <= 0:
+        return None
+    was_training = head.training
+    head.eval()
+    taus = []
+    for row in eval_set.select(range(min(prompts, len(eval_set)))):
+        first = row["loss_mask"].index(1) if 1 in row["loss_mask"] else len(row["input_ids"])
+        ids = torch.tensor(row["input_ids"][:first], device=target.device)
+        if ids.numel():
+            taus.append(generate(target, ids, head, max_new_tokens=new_tokens).tau)
+    head.train(was_training)
+    return statistics.median(taus) if taus else None

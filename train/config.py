@@ -1,0 +1,334 @@
+"""Run configs of the recipes: dataclasses <- a YAML file of sections <- `section.key=value` overrides.
+
+`load_config(RunConfig, yaml_path, overrides)` is the one loader. Unknown keys, wrong types, bad choices and
+missing required keys fail with the dotted key named, before any model is loaded (STYLE section 3).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import re
+import types
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
+
+import yaml
+
+from heads.eagle import HEAD_TYPES
+from heads.target import DEFAULT_TARGET
+
+T = TypeVar("T")
+
+DTYPES = ("float32", "bfloat16", "float16")
+ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
+HIDDEN_STATES = ("online", "offline")
+LR_SCHEDULERS = ("cosine", "linear", "constant")
+REPORT_TO = ("none", "wandb", "tensorboard")
+MIXED_PRECISIONS = ("no", "bf16", "fp16")
+
+
+class ConfigError(ValueError):
+    """A config that cannot be loaded: unknown key, wrong type, bad choice or missing required key."""
+
+
+def _one_of(name: str, value: object, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
+
+
+def _at_least(obj: object, minimum: float, *names: str) -> None:
+    for name in names:
+        if getattr(obj, name) < minimum:
+            raise ValueError(f"{name} must be >= {minimum}, got {getattr(obj, name)!r}")
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    target: str = DEFAULT_TARGET  # hub id or local folder of the frozen target; default SmolLM2-135M, offline
+    revision: str | None = None   # hub commit or tag, recorded in exports; None = default branch
+    dtype: str = "float32"        # target weights; float32 on CPU (bf16 matmuls are slow there), bf16 on GPU
+    attn_implementation: str = "eager"  # eager: multi-token CPU passes ~15% cheaper than sdpa (REFERENCE 6)
+
+    def __post_init__(self) -> None:
+        _one_of("dtype", self.dtype, DTYPES)
+        _one_of("attn_implementation", self.attn_implementation, ATTN_IMPLEMENTATIONS)
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    train_files: list[str]        # required: JSONL conversation files, relative to the launch directory
+    eval_files: list[str] = field(default_factory=list)  # held-out JSONL files; [] = use eval_fraction
+    max_length: int = 512         # tokens per example after the chat template; longer ones are truncated
+    max_bad_fraction: float = 0.05  # fraction of malformed / fully-masked examples tolerated before failing
+    eval_fraction: float = 0.0    # held-out slice of train_files when eval_files is empty; 0 = no eval set
+    shuffle_seed: int = 0         # seed of the example order and of the eval_fraction split (reproducible)
+    hidden_states: str = "online"  # online: run the target every step; offline: read states from offline_dir
+    offline_dir: str | None = None  # folder of precomputed target hidden states; required when offline
+
+    def __post_init__(self) -> None:
+        _one_of("hidden_states", self.hidden_states, HIDDEN_STATES)
+        _require(len(self.train_files) > 0, "train_files must name at least one file")
+        _at_least(self, 2, "max_length")
+        _require(0 <= self.max_bad_fraction <= 1,
+                 f"max_bad_fraction must be in [0, 1], got {self.max_bad_fraction}")
+        _require(0 <= self.eval_fraction < 1, f"eval_fraction must be in [0, 1), got {self.eval_fraction}")
+        _require(self.hidden_states == "online" or self.offline_dir is not None,
+                 "offline_dir must be set when hidden_states='offline'")
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    output_dir: str                # required: run folder (exports, resume states, resolved config.yaml)
+    learning_rate: float = 1e-4    # peak AdamW lr; EAGLE-3 1e-4 (SpecForge); Medusa YAMLs set 1e-3
+    weight_decay: float = 0.0      # AdamW decoupled weight decay; EAGLE and Medusa train without it
+    adam_beta1: float = 0.9        # AdamW first-moment decay (EAGLE)
+    adam_beta2: float = 0.95       # AdamW second-moment decay; EAGLE uses (0.9, 0.95)
+    max_grad_norm: float = 0.5     # global grad-norm clip (EAGLE: 0.5); 0 = no clipping
+    num_epochs: int = 1            # passes over train_files; ignored when max_steps > 0
+    max_steps: int = 0             # optimizer steps; 0 = derive from num_epochs
+    per_device_batch_size: int = 4  # sequences per process per micro-batch
+    gradient_accumulation_steps: int = 1  # micro-batches per optimizer step (global batch: x batch x procs)
+    warmup_ratio: float = 0.1      # fraction of optimizer steps in linear warmup (Medusa: 0.1)
+    lr_scheduler: str = "cosine"   # decay after warmup; cosine in Medusa and SpecForge
+    seed: int = 0                  # seeds head init, feature noise and dropout (accelerate.utils.set_seed)
+    save_every_steps: int = 1000   # optimizer steps between resume state + export; 0 = only at the end
+    keep_checkpoints: int = 2      # resume states kept on disk, older deleted; >= 1 so a resume always exists
+    eval_every_steps: int = 500    # optimizer steps between eval-loss passes; 0 = only at the end
+    log_every_steps: int = 10      # optimizer steps between tracker logs (loss, lr, grad norm, per-head acc)
+    report_to: str = "none"        # tracker for accelerator.log; "none" = console only (no network needed)
+    mixed_precision: str = "no"    # accelerate autocast; "no" on CPU, "bf16" on recent GPUs
+    eval_tau_prompts: int = 0      # held-out prompts of the periodic simulated-tau eval; 0 = off
+    eval_tau_new_tokens: int = 64  # new tokens per prompt in that eval (tau counts the bonus token)
+
+    def __post_init__(self) -> None:
+        _one_of("lr_scheduler", self.lr_scheduler, LR_SCHEDULERS)
+        _one_of("report_to", self.report_to, REPORT_TO)
+        _one_of("mixed_precision", self.mixed_precision, MIXED_PRECISIONS)
+        _require(self.learning_rate > 0, f"learning_rate must be > 0, got {self.learning_rate}")
+        _require(0 <= self.warmup_ratio < 1, f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        _at_least(self, 1, "per_device_batch_size", "gradient_accumulation_steps", "keep_checkpoints",
+                  "log_every_steps")
+        _at_least(self, 0, "weight_decay", "max_grad_norm", "num_epochs", "max_steps", "save_every_steps",
+                  "eval_every_steps", "eval_tau_prompts", "eval_tau_new_tokens")
+        _require(self.num_epochs > 0 or self.max_steps > 0, "num_epochs or max_steps must be > 0")
+
+
+@dataclass(kw_only=True)
+class EagleTrainConfig:
+    head_type: str = "eagle3"      # eagle3: 3 fused taps, TTT, reduced-vocab lm_head; eagle1: final state
+    aux_layer_ids: list[int] | None = None  # eagle3 taps, output-of-layer ids; None = (1, N/2-1, N-4)
+    draft_vocab_size: int = 0      # eagle3 draft vocabulary (most frequent training tokens); 0 = full vocab
+    ttt_steps: int = 3             # eagle3 training-time-test unroll depth (speculators: 3, SpecForge: 7)
+    ttt_decay: float = 0.8         # TTT step i is weighted ttt_decay**i (EAGLE-3)
+    noise_width: float = 0.2       # uniform noise U(-w/2, w/2) on input features against drift (EAGLE-1)
+    feature_loss_weight: float = 1.0  # eagle1 SmoothL1 feature loss weight (EAGLE-1: 1.0); eagle3 has none
+    ce_loss_weight: float = 0.1    # eagle1 soft-CE weight (EAGLE-1: 0.1); eagle3's TTT soft-CE is unweighted
+    fc_bias: bool = False          # bias on fc; False matches vLLM / SGLang exports (old EAGLE-1 had one)
+
+    def __post_init__(self) -> None:
+        _one_of("head_type", self.head_type, HEAD_TYPES)
+        _at_least(self, 0, "draft_vocab_size", "noise_width", "feature_loss_weight", "ce_loss_weight")
+        _at_least(self, 1, "ttt_steps")
+        _require(0 < self.ttt_decay <= 1, f"ttt_decay must be in (0, 1], got {self.ttt_decay}")
+        if self.head_type == "eagle1":  # eagle1 reads the final state and reuses the target's lm_head
+            _require(self.aux_layer_ids is None, "aux_layer_ids must be null for eagle1 (eagle3 only)")
+            _require(self.draft_vocab_size == 0, "draft_vocab_size must be 0 for eagle1 (eagle3 only)")
+
+
+@dataclass(kw_only=True)
+class MedusaTrainConfig:
+    num_heads: int = 4             # K draft heads (Medusa: 3-5)
+    num_layers: int = 1            # ResBlocks per head (Medusa: 1)
+    share_lm_head: bool = False    # True: project with the frozen target lm_head (saves K x H x V parameters)
+    decay: float = 0.8             # head k's CE is weighted decay**k (Medusa)
+    head_loss_weight: float = 0.2  # Medusa-2: loss = LM loss + head_loss_weight * sum_k decay**k CE_k
+    lora_r: int = 0                # 0 = Medusa-1 (heads only, target frozen); > 0 = Medusa-2 LoRA rank
+    lora_alpha: int = 16           # LoRA scale numerator (scale = lora_alpha / lora_r)
+    lora_dropout: float = 0.05     # dropout on the LoRA input
+    lora_target_modules: list[str] = field(  # Linear layers given LoRA (HF names): the attention projections
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    heads_only_steps: int = 0      # Medusa-2 stage 1: optimizer steps on the heads alone before LoRA joins
+    head_lr_multiplier: float = 4.0  # Medusa-2: heads' lr = learning_rate x this (Medusa: x4)
+
+    def __post_init__(self) -> None:
+        _at_least(self, 1, "num_heads")
+        _at_least(self, 0, "num_layers", "lora_r", "heads_only_steps", "head_loss_weight")
+        _require(0 < self.decay <= 1, f"decay must be in (0, 1], got {self.decay}")
+        _require(0 <= self.lora_dropout < 1, f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
+        _require(self.head_lr_multiplier > 0,
+                 f"head_lr_multiplier must be > 0, got {self.head_lr_multiplier!r}")
+        _require(self.lora_r > 0 or self.heads_only_steps == 0,
+                 "heads_only_steps needs lora_r > 0 (Medusa-2)")
+
+
+@dataclass(kw_only=True)
+class EagleRunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)  # frozen target; defaults: SmolLM2 on CPU
+    data: DataConfig               # required section: train_files has no default
+    eagle: EagleTrainConfig = field(default_factory=EagleTrainConfig)  # head and loss; defaults: EAGLE-3
+    train: TrainConfig             # required section: output_dir has no default
+
+
+@dataclass(kw_only=True)
+class MedusaRunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)  # frozen target (LoRA-adapted when lora_r > 0)
+    data: DataConfig               # required section: train_files has no default
+    medusa: MedusaTrainConfig = field(default_factory=MedusaTrainConfig)  # heads and loss; defaults: Medusa-1
+    train: TrainConfig             # required section: output_dir has no default
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that reads `1e-4` as a float (plain PyYAML follows YAML 1.1 and returns the str '1e-4')."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def load_config(cls: type[T], yaml_path: str | Path | None, overrides: Sequence[str] = ()) -> T:
+    """Build a run config from a YAML file of sections, then `section.key=value` overrides.
+
+    Args:
+        cls: the run config dataclass, e.g. `EagleRunConfig` or `MedusaRunConfig`.
+        yaml_path: YAML mapping of sections (`model:`, `train:`, ...); None = dataclass defaults only.
+        overrides: `dotted.key=value` strings; values are parsed as YAML (`eagle.aux_layer_ids=[1,14,26]`).
+    Returns:
+        A validated `cls` instance.
+    Raises:
+        ConfigError: (a ValueError) unknown key, wrong type, bad choice or missing required key. The message
+            names the dotted key, the file or override it came from, and the valid keys / type / choices.
+    """
+    source = str(yaml_path) if yaml_path is not None else "<no YAML file>"
+    raw = yaml.load(Path(yaml_path).read_text(encoding="utf-8"), Loader=_Loader) if yaml_path else {}
+    raw = {} if raw is None else raw
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping of sections, got {type(raw).__name__}")
+    origins: dict[str, str] = {}  # dotted key -> the override that set it
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} is not of the form dotted.key=value (config {source})")
+        *parents, leaf = key.split(".")
+        node = raw
+        for depth, part in enumerate(parents):
+            if node.get(part) is None:
+                node[part] = {}
+            if not isinstance(node[part], dict):
+                raise ConfigError(f"override {item!r}: {'.'.join(parents[: depth + 1])} is not a section "
+                                  f"(config {source})")
+            node = node[part]
+        node[leaf] = yaml.load(text, Loader=_Loader)
+        origins[key] = f"override {item!r} (config {source})"
+
+    def where(key: str) -> str:
+        hits = [k for k in origins if key == k or key.startswith((k + ".", k + "["))]
+        return origins[max(hits, key=len)] if hits else source
+
+    return _build(cls, raw, "", where)
+
+
+def _build(cls: type[T], raw: Any, prefix: str, where: Callable[[str], str]) -> T:
+    """One dataclass from its raw mapping, recursing into nested dataclass sections."""
+    section = prefix.rstrip(".") or "the top level"
+    raw = {} if raw is None else raw  # an empty section (`eagle:`) means all defaults
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{section}: expected a mapping (section), got {raw!r} in {where(section)}")
+    hints = get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted((f"{prefix}{key}" for key in raw if key not in fields), key=str)
+    if unknown:
+        raise ConfigError(f"unknown key {unknown[0]} in {where(unknown[0])}; "
+                          f"valid keys of {section}: {', '.join(fields)}")
+    kwargs, missing = {}, []
+    for name, f in fields.items():
+        tp, dotted = hints[name], prefix + name
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if dataclasses.is_dataclass(tp) and (name in raw or required):
+            kwargs[name] = _build(tp, raw.get(name), dotted + ".", where)
+        elif name in raw:
+            kwargs[name] = _convert(raw[name], tp, dotted, where)
+        elif required:
+            missing.append(dotted)
+    if missing:
+        raise ConfigError(f"missing required key(s) {', '.join(missing)} in {where(section)} (no default)")
+    try:
+        return cls(**kwargs)
+    except ValueError as error:  # __post_init__ messages start with the field name: add section and source
+        name = str(error).split(" ", 1)[0]
+        origin = where(prefix + name if name in fields else section)
+        raise ConfigError(f"{prefix}{error} (in {origin})") from None
+
+
+def _type_name(tp: Any) -> str:
+    return tp.__name__ if isinstance(tp, type) and not get_args(tp) else str(tp).replace("typing.", "")
+
+
+def _convert(value: Any, tp: Any, key: str, where: Callable[[str], str], shown: str = "") -> Any:
+    """`value` checked against `tp` (int widened to float); `shown` names the type in errors (`X | None`)."""
+    origin, args = get_origin(tp), get_args(tp)
+
+    def wrong() -> ConfigError:
+        hint = " (quote strings YAML reads as numbers: key='0123')" if str in (tp, *args) else ""
+        found = f"{value!r} ({type(value).__name__})"
+        return ConfigError(f"{key}: expected {shown or _type_name(tp)}, got {found} in {where(key)}{hint}")
+
+    if origin in (Union, types.UnionType):
+        options = [a for a in args if a is not type(None)]
+        if value is None and len(options) < len(args):
+            return None
+        if len(options) == 1:  # Optional[X]: X's own error, which may name a list index
+            return _convert(value, options[0], key, where, shown or _type_name(tp))
+        for option in options:
+            with contextlib.suppress(ConfigError):
+                return _convert(value, option, key, where)
+        raise wrong()
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)) or (origin is list and isinstance(value, tuple)):
+            raise wrong()
+        if origin is tuple and args[1:] != (Ellipsis,):  # fixed-length tuple[X, Y]: one type per position
+            if len(value) != len(args):
+                raise wrong()
+            return tuple(_convert(v, a, f"{key}[{i}]", where) for i, (v, a) in enumerate(zip(value, args)))
+        items = [_convert(v, args[0], f"{key}[{i}]", where) for i, v in enumerate(value)]
+        return items if origin is list else tuple(items)
+    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)  # `1` for a float field is fine; stored as 1.0
+    if tp in (int, str, bool) and isinstance(value, tp) and not (tp is int and isinstance(value, bool)):
+        return value
+    raise wrong()
+
+
+def to_dict(cfg: Any) -> dict:
+    """The config as plain YAML-safe data: nested dicts in field order, tuples as lists."""
+    def plain(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        return [plain(v) for v in value] if isinstance(value, (list, tuple)) else value
+
+    return plain(dataclasses.asdict(cfg))
+
+
+def save_config(cfg: Any, path: str | Path) -> None:
+    """Write the resolved config as YAML (next to each checkpoint); `load_config(type(cfg), path)` reads it.
+
+    Args:
+        cfg: a run config instance.
+        path: destination file; its parent folders are created.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    name = type(cfg).__name__
+    header = f"# resolved {name}; read back with load_config({name}, <this file>)\n"
+    path.write_text(header + yaml.safe_dump(to_dict(cfg), sort_keys=False), encoding="utf-8")

@@ -1,0 +1,204 @@
+"""EAGLE recipe: train an EAGLE-1 or EAGLE-3 draft head on a frozen target (2401.15077, 2503.01840).
+
+    accelerate launch train/eagle.py configs/eagle3_smollm2.yaml [section.key=value ...]
+
+Every rank: load the frozen target and the data, build the head, then per step run the target (online
+hidden states, no grad), the head and its loss (TTT for EAGLE-3), and step the optimizer. The main process
+logs, evaluates, and writes the resume state (output_dir/state) and the head export (output_dir/head).
+Rerunning the same command resumes from the newest complete state.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+from accelerate.utils import DistributedType, set_seed
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from heads import EagleConfig, EagleHead, FeatureCapture
+from heads.target import load_target
+from train.checkpoint import export_head, latest_state, load_state, save_state
+from train.common import (check_finite, epoch_loader, load_datasets, make_accelerator, make_optimizer,
+                          simulated_tau, steps_per_epoch, total_steps)
+from train.config import EagleRunConfig, EagleTrainConfig, load_config, save_config, to_dict
+from train.data import draft_vocab_from_frequencies, token_frequencies
+from train.losses import eagle1_loss, eagle3_ttt_loss
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class EagleStep(nn.Module):
+    """The head and its loss as one module, so DDP / DeepSpeed wrap a single forward. The target's frozen
+    embedding and lm_head are kept outside the module tree: never wrapped, sharded or saved with the head."""
+
+    def __init__(self, head: EagleHead, cfg: EagleTrainConfig, embed: nn.Module, lm_head: nn.Module) -> None:
+        super().__init__()
+        self.head, self.cfg = head, cfg
+        self._frozen = (embed, lm_head)  # a tuple is not registered as submodules
+
+    def forward(self, features: Tensor, input_ids: Tensor, target_logits: Tensor,
+                loss_mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        embed, lm_head = self._frozen
+        if self.head.head_type == "eagle1":
+            return eagle1_loss(self.head, features, input_ids, target_logits, loss_mask, embed, lm_head,
+                               noise_width=self.cfg.noise_width, feature_weight=self.cfg.feature_loss_weight,
+                               ce_weight=self.cfg.ce_loss_weight)
+        return eagle3_ttt_loss(self.head, features, input_ids, target_logits, loss_mask, embed,
+                               ttt_steps=self.cfg.ttt_steps, decay=self.cfg.ttt_decay)
+
+
+def new_head(cfg: EagleTrainConfig, target: nn.Module, train_set) -> EagleHead:
+    """A fresh head sized from the target; EAGLE-3 gets its draft vocabulary from the training data."""
+    overrides = {"fc_bias": cfg.fc_bias}
+    if cfg.head_type == "eagle3":
+        if cfg.aux_layer_ids is not None:
+            overrides["aux_layer_ids"] = tuple(cfg.aux_layer_ids)
+        overrides["draft_vocab_size"] = cfg.draft_vocab_size or None
+    head = EagleHead(EagleConfig.from_target(target.config, cfg.head_type, **overrides))
+    if cfg.head_type == "eagle3":
+        vocab = target.config.get_text_config().vocab_size
+        if head.config.draft_vocab_size < vocab:
+            counts = token_frequencies(train_set, vocab)
+            head.set_draft_vocab(draft_vocab_from_frequencies(counts, head.config.draft_vocab_size))
+        head.init_lm_head_from_target(target.get_output_embeddings().weight)
+    return head.to(dtype=target.dtype, device=target.device)
+
+
+@torch.no_grad()
+def target_pass(target: nn.Module, capture: FeatureCapture, batch: dict) -> tuple[Tensor, Tensor]:
+    """The frozen target's tapped features (B, T, F) and logits (B, T, V) for a batch."""
+    logits = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    return capture.features(), logits
+
+
+@torch.no_grad()
+def eval_loss(step_module: nn.Module, target: nn.Module, capture: FeatureCapture, eval_set, cfg: EagleRunConfig,
+              pad_id: int, accelerator, max_batches: int = 20) -> float | None:
+    """Mean loss over (up to `max_batches` per rank of) the held-out set, averaged across ranks."""
+    if eval_set is None:
+        return None
+    loader = epoch_loader(eval_set, cfg.train, cfg.data, 0, pad_id, accelerator)
+    losses = []
+    for i, batch in enumerate(loader):
+        if i >= max_batches:
+            break
+        features, logits = target_pass(target, capture, batch)
+        losses.append(step_module(features, batch["input_ids"], logits, batch["loss_mask"])[0].detach())
+    if not losses:
+        return None
+    return accelerator.gather(torch.stack(losses).mean()[None]).mean().item()
+
+
+def main(cfg: EagleRunConfig) -> None:
+    accelerator = make_accelerator(cfg.train)
+    set_seed(cfg.train.seed)
+    out = Path(cfg.train.output_dir)
+    accelerator.print(f"EAGLE recipe: {cfg.eagle.head_type} on {cfg.model.target}, {accelerator.num_processes} "
+                      f"process(es), {accelerator.distributed_type}")
+
+    # 1. frozen target + trainable head
+    target, tokenizer = load_target(cfg.model.target, dtype=DTYPES[cfg.model.dtype],
+                                    attn_implementation=cfg.model.attn_implementation, device=accelerator.device)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    # 2. data
+    train_set, eval_set = load_datasets(cfg.data, tokenizer, accelerator)
+    head = new_head(cfg.eagle, target, train_set)
+    step_module = EagleStep(head, cfg.eagle, target.get_input_embeddings(), target.get_output_embeddings())
+
+    # 3. optimizer and schedule (in optimizer steps)
+    per_epoch = steps_per_epoch(train_set, cfg.train, accelerator.num_processes)
+    num_steps = total_steps(cfg.train, per_epoch)
+    optimizer, scheduler = make_optimizer(head.parameters(), cfg.train, num_steps)
+
+    # 4. wrap for the distributed setting; the scheduler is stepped by hand once per optimizer step
+    step_module, optimizer = accelerator.prepare(step_module, optimizer)
+    accelerator.register_for_checkpointing(scheduler)
+    if accelerator.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, out / "config.yaml")
+    if cfg.train.report_to != "none":
+        accelerator.init_trackers(out.name, config=to_dict(cfg))
+    step = 0
+    if (state := latest_state(out)) is not None:
+        step = load_state(accelerator, state)
+        accelerator.print(f"resumed from {state} at step {step}/{num_steps}")
+
+    # 5. loop
+    capture = FeatureCapture(target, head.feature_layers).__enter__()
+    export_kwargs = dict(base_model=cfg.model.target, base_revision=cfg.model.revision, target=target)
+    progress = tqdm(total=num_steps, initial=step, disable=not accelerator.is_main_process, desc="train")
+    tokens, started = 0, time.perf_counter()
+    while step < num_steps:
+        epoch, done = divmod(step, per_epoch)
+        loader = epoch_loader(train_set, cfg.train, cfg.data, epoch, pad_id, accelerator,
+                              skip_batches=done * cfg.train.gradient_accumulation_steps)
+        for batch in loader:
+            with accelerator.accumulate(step_module):
+                features, logits = target_pass(target, capture, batch)
+                loss, metrics = step_module(features, batch["input_ids"], logits, batch["loss_mask"])
+                check_finite(loss, step, out)
+                accelerator.backward(loss)
+                grad_norm = None
+                if accelerator.sync_gradients and cfg.train.max_grad_norm > 0:
+                    grad_norm = accelerator.clip_grad_norm_(step_module.parameters(), cfg.train.max_grad_norm)
+                optimizer.step()
+                optimizer.zero_grad()
+            tokens += int(batch["attention_mask"].sum())
+            if not accelerator.sync_gradients:
+                continue
+            scheduler.step()
+            step += 1
+            progress.update()
+            if step % cfg.train.log_every_steps == 0 or step == num_steps:
+                elapsed, tokens_all = time.perf_counter() - started, accelerator.gather(torch.tensor([tokens])).sum()
+                logs = {"loss": loss.item(), "lr": scheduler.get_last_lr()[0],
+                        "tokens_per_s": tokens_all.item() / max(elapsed, 1e-9),
+                        **({"grad_norm": float(grad_norm)} if grad_norm is not None else {}),
+                        **{k: v.item() for k, v in metrics.items()}}
+                progress.set_postfix(loss=f"{logs['loss']:.3f}", lr=f"{logs['lr']:.2e}")
+                accelerator.log(logs, step=step)
+                tokens, started = 0, time.perf_counter()
+            if step % cfg.train.eval_every_steps == 0 if cfg.train.eval_every_steps else step == num_steps:
+                evaluate(accelerator, step_module, target, capture, eval_set, cfg, pad_id, step)
+            if cfg.train.save_every_steps and step % cfg.train.save_every_steps == 0 and step < num_steps:
+                save_state(accelerator, out, step, cfg.train.keep_checkpoints)
+                export_head(accelerator, step_module, out, **export_kwargs, extra={"train_step": step})
+            if step >= num_steps or step % per_epoch == 0:
+                break
+    progress.close()
+    save_state(accelerator, out, step, cfg.train.keep_checkpoints)
+    path = export_head(accelerator, step_module, out, **export_kwargs,
+                       extra={"train_step": step, "training": to_dict(cfg)})
+    capture.__exit__(None, None, None)
+    accelerator.print(f"exported {path}")
+    accelerator.end_training()
+
+
+def evaluate(accelerator, step_module, target, capture, eval_set, cfg: EagleRunConfig, pad_id: int, step: int):
+    """Held-out loss on every rank; simulated tau (a real greedy generate) on the main process."""
+    logs = {}
+    loss = eval_loss(step_module, target, capture, eval_set, cfg, pad_id, accelerator)
+    if loss is not None:
+        logs["eval_loss"] = loss
+    sharded = (accelerator.distributed_type == DistributedType.DEEPSPEED
+               and accelerator.state.deepspeed_plugin.zero_stage == 3)
+    if accelerator.is_main_process and not sharded:
+        capture.__exit__(None, None, None)  # generate installs its own capture
+        tau = simulated_tau(target, accelerator.unwrap_model(step_module).head, eval_set,
+                            cfg.train.eval_tau_prompts, cfg.train.eval_tau_new_tokens)
+        capture.__enter__()
+        if tau is not None:
+            logs["eval_tau"] = tau
+    if logs:
+        accelerator.print(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in logs.items()))
+        accelerator.log(logs, step=step)
+    accelerator.wait_for_everyone()
+
+
+if __name__ == "__main__":
+    main(load_config(EagleRunConfig, sys.argv[1], sys.argv[2:]))
