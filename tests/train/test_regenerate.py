@@ -1,0 +1,124 @@
+"""Tests for train.data.regenerate (self-distillation) on a tiny random Llama with the SmolLM2 tokenizer:
+shards, greedy output, resume after a finished run, after a killed run, and past a half-written shard."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from heads.target import materialize_default_target
+from train.data import BadRow, read_rows, regenerate
+
+PROMPTS = [
+    {"id": f"p{i}", "source": "test", "messages": [{"role": "user", "content": text}]}
+    for i, text in enumerate(
+        ["Hi!", "What is 2 + 2?", "Name a colour.", "Tell me a long story about a cat.", "Bye"]
+    )
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(materialize_default_target())
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    config = AutoConfig.for_model(
+        "llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, vocab_size=len(tokenizer),
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    model.generation_config.eos_token_id = None  # regenerate falls back to the tokenizer's EOS
+    return model
+
+
+def _shards(folder) -> dict[str, list[dict]]:
+    return {p.name: [row for _, row in read_rows(p)] for p in sorted(folder.glob("shard-*.jsonl"))}
+
+
+def test_writes_shards_of_prompt_plus_greedy_reply(tmp_path, model, tokenizer):
+    stats = regenerate(model, tokenizer, PROMPTS, tmp_path, batch_size=2, max_new_tokens=5, shard_size=2)
+    assert stats == {"skipped": 0, "generated": 5, "shards": 3}
+    shards = _shards(tmp_path)
+    assert list(shards) == ["shard-00000.jsonl", "shard-00001.jsonl", "shard-00002.jsonl"]
+    rows = {row["id"]: row for rows in shards.values() for row in rows}
+    assert sorted(rows) == [p["id"] for p in PROMPTS]
+    assert not list(tmp_path.glob(".*"))  # no temp files left
+    assert tokenizer.padding_side == "right"  # restored
+    for prompt in PROMPTS:
+        row = rows[prompt["id"]]
+        assert row["source"] == "test" and row["finish_reason"] in ("stop", "length")
+        assert row["messages"][:-1] == prompt["messages"] and row["messages"][-1]["role"] == "assistant"
+    # Batched replies (p2 left-padded next to the longer p3) equal unpadded greedy runs of the same prompts.
+    for prompt in PROMPTS[2:4]:
+        text = tokenizer.apply_chat_template(prompt["messages"], add_generation_prompt=True, tokenize=False)
+        ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        # An explicit mask: SmolLM2's pad token is <|im_end|>, which prompts contain; generate would hide it.
+        alone = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False)
+        new_tokens = alone[0, ids.shape[1] :].tolist()
+        if tokenizer.eos_token_id in new_tokens:
+            new_tokens = new_tokens[: new_tokens.index(tokenizer.eos_token_id)]
+        reply = rows[prompt["id"]]["messages"][-1]["content"]
+        assert reply == tokenizer.decode(new_tokens, skip_special_tokens=True)
+
+
+def test_second_run_skips_finished_ids_and_adds_new_ones(tmp_path, model, tokenizer):
+    regenerate(model, tokenizer, PROMPTS[:3], tmp_path, batch_size=2, max_new_tokens=3, shard_size=2)
+    before = _shards(tmp_path)
+    again = regenerate(model, tokenizer, PROMPTS[:3], tmp_path, batch_size=2, max_new_tokens=3, shard_size=2)
+    assert again == {"skipped": 3, "generated": 0, "shards": 0} and _shards(tmp_path) == before
+    more = regenerate(model, tokenizer, PROMPTS, tmp_path, batch_size=2, max_new_tokens=3, shard_size=2)
+    assert more == {"skipped": 3, "generated": 2, "shards": 1}
+    after = _shards(tmp_path)
+    assert {k: v for k, v in after.items() if k in before} == before
+    assert [row["id"] for row in after["shard-00002.jsonl"]] == ["p3", "p4"]
+
+
+def test_killed_run_resumes(tmp_path, model, tokenizer, monkeypatch):
+    calls = {"n": 0}
+    generate = model.generate
+
+    def dies_on_second_call(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt("killed")
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(model, "generate", dies_on_second_call)
+    with pytest.raises(KeyboardInterrupt):
+        regenerate(model, tokenizer, PROMPTS, tmp_path, batch_size=2, max_new_tokens=3, shard_size=2)
+    assert list(_shards(tmp_path)) == ["shard-00000.jsonl"]  # the shard in progress was never written
+    monkeypatch.undo()
+    resumed = regenerate(model, tokenizer, PROMPTS, tmp_path, batch_size=2, max_new_tokens=3, shard_size=2)
+    assert resumed == {"skipped": 2, "generated": 3, "shards": 2}
+    ids = [row["id"] for rows in _shards(tmp_path).values() for row in rows]
+    assert sorted(ids) == sorted(p["id"] for p in PROMPTS)  # each exactly once
+    assert tokenizer.padding_side == "right"  # restored after the crash too
+
+
+def test_half_written_shard_is_ignored(tmp_path, model, tokenizer):
+    (tmp_path / ".shard-00000.jsonl.tmp").write_text(json.dumps({"id": "p0"}) + "\n")  # a write cut short
+    stats = regenerate(model, tokenizer, PROMPTS[:1], tmp_path, batch_size=2, max_new_tokens=2)
+    assert stats["generated"] == 1 and list(_shards(tmp_path)) == ["shard-00000.jsonl"]
+
+
+def test_prompt_rows_are_checked_and_trailing_replies_dropped(tmp_path, model, tokenizer):
+    with pytest.raises(BadRow, match="without 'id'"):
+        regenerate(model, tokenizer, [{"messages": PROMPTS[0]["messages"]}], tmp_path)
+    with pytest.raises(BadRow, match="no user turn"):
+        regenerate(
+            model, tokenizer, [{"id": "s", "messages": [{"role": "system", "content": "x"}]}], tmp_path
+        )
+    old = {
+        "id": "old",
+        "conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "stale"}],
+    }
+    regenerate(model, tokenizer, [old], tmp_path, max_new_tokens=2)
+    ((row,),) = _shards(tmp_path).values()
+    assert row["messages"][0] == {"role": "user", "content": "Hi"} and len(row["messages"]) == 2
+    assert row["messages"][1]["content"] != "stale" and row["source"] is None

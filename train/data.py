@@ -1,0 +1,398 @@
+"""Training data for draft heads: chats rendered with the target's own template and masked to assistant tokens,
+batching, the EAGLE-3 draft vocabulary (2503.01840 §3), and self-distillation (Medusa 2401.10774 §3.3.1)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from datasets import Dataset, Features, Value
+from datasets import Sequence as SequenceFeature
+from jinja2.exceptions import TemplateError
+from torch import Tensor
+from torch.nn.utils.rnn import pad_sequence
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+_ROLES = {  # ShareGPT and OpenAI role names -> the names chat templates expect
+    "human": "user", "user": "user", "system": "system",
+    "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "bing": "assistant",
+}  # fmt: skip
+
+
+class BadRow(ValueError):
+    """A row that cannot become a training example; the message names the key and the problem."""
+
+
+def read_rows(path: str | Path) -> Iterator[tuple[int, dict | Exception]]:
+    """Read a JSON list (first non-blank character `[`) or JSONL file, yielding errors instead of stopping.
+
+    Args:
+        path: the file.
+    Yields:
+        (number, row or error): JSONL: 1-based line number (blank lines skipped) and the row or its
+        `json.JSONDecodeError`; JSON list: 1-based element index, or once the error's line and the error if
+        the file does not parse. Valid JSON that is not an object comes as a `BadRow`.
+    """
+    text = Path(path).read_text(encoding="utf-8")
+    if text.lstrip().startswith("["):
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError as error:
+            yield error.lineno, error
+            return
+        yield from ((number, _as_row(item)) for number, item in enumerate(items, start=1))
+        return
+    for number, line in enumerate(text.splitlines(), start=1):
+        if line.strip():
+            try:
+                yield number, _as_row(json.loads(line))
+            except json.JSONDecodeError as error:
+                yield number, error
+
+
+def _as_row(item: object) -> dict | BadRow:
+    """The item if it is a JSON object, else the error to report."""
+    return item if isinstance(item, dict) else BadRow(f"row is a JSON {type(item).__name__}, not an object")
+
+
+def _turns(row: dict, key: str, role_key: str, content_key: str) -> list[dict]:
+    """Normalise one list of turns (ShareGPT or OpenAI style) to [{"role", "content"}]."""
+    if not isinstance(row[key], list):
+        raise BadRow(f"'{key}' is a {type(row[key]).__name__}, expected a list of turns")
+    messages = []
+    for i, turn in enumerate(row[key]):
+        if not isinstance(turn, dict) or role_key not in turn or content_key not in turn:
+            raise BadRow(f"'{key}'[{i}] must be an object with '{role_key}' and '{content_key}' keys")
+        if turn[role_key] not in _ROLES:
+            raise BadRow(f"'{key}'[{i}].{role_key}: unknown role {turn[role_key]!r}")
+        if not isinstance(turn[content_key], str):
+            raise BadRow(f"'{key}'[{i}].{content_key}: non-string content")
+        messages.append({"role": _ROLES[turn[role_key]], "content": turn[content_key]})
+    if not messages:
+        raise BadRow(f"'{key}': empty conversation")
+    return messages
+
+
+def to_messages(row: dict, require_assistant: bool = True) -> list[dict]:
+    """Normalise a row to a list of {"role", "content"} messages.
+
+    Formats: ShareGPT (`conversations`: [{"from", "value"}], from in human/user/gpt/assistant/chatgpt/bing/
+    system), OpenAI (`messages`: [{"role", "content"}], the same names) and raw text (`text`). Raw text
+    becomes the one message [{"role": "text", "content": text}], which `render_with_mask` tokenizes without
+    a chat template and trains on every token (plain language modelling).
+
+    Args:
+        row: one JSON object.
+        require_assistant: a chat must hold an assistant turn (False for prompts to regenerate).
+    Returns:
+        Messages with roles in {"system", "user", "assistant"}, or the single "text" message.
+    Raises:
+        BadRow: missing key, wrong type, unknown role, empty conversation, no assistant turn.
+    """
+    if "conversations" in row:
+        key, messages = "conversations", _turns(row, "conversations", "from", "value")
+    elif "messages" in row:
+        key, messages = "messages", _turns(row, "messages", "role", "content")
+    elif "text" in row:
+        if not isinstance(row["text"], str) or not row["text"]:
+            raise BadRow(f"'text': expected a non-empty string, got {type(row['text']).__name__}")
+        return [{"role": "text", "content": row["text"]}]
+    else:
+        raise BadRow(f"no 'conversations', 'messages' or 'text' key (keys: {sorted(row)})")
+    if require_assistant and not any(m["role"] == "assistant" for m in messages):
+        raise BadRow(f"'{key}': no assistant turn")
+    return messages
+
+
+def _render(tokenizer: PreTrainedTokenizerBase, messages: list[dict], generation_prompt: bool) -> str:
+    """The chat template's text; a conversation the template rejects is a bad row."""
+    try:
+        return tokenizer.apply_chat_template(
+            messages, add_generation_prompt=generation_prompt, tokenize=False
+        )
+    except TemplateError as error:
+        raise BadRow(f"the chat template rejected the conversation: {error}") from error
+
+
+def _assistant_spans(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> tuple[str, list[tuple]]:
+    """The full rendering and one (start, end) character span per assistant turn (see `render_with_mask`)."""
+    full, spans = _render(tokenizer, messages, generation_prompt=False), []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        if i == 0:
+            raise BadRow("'messages'[0]: the conversation opens with an assistant turn")
+        prefix = _render(tokenizer, messages[:i], generation_prompt=True)
+        through = _render(tokenizer, messages[: i + 1], generation_prompt=False)
+        if not through.startswith(prefix) or not full.startswith(through):
+            raise ValueError(
+                f"chat template problem at message {i}: the text through this assistant turn does not extend "
+                "the text of the turns before it with add_generation_prompt=True (or the full chat does not "
+                f"extend it), so assistant tokens cannot be found by offsets. Prefix ends {prefix[-60:]!r}, "
+                f"the longer text there reads {through[max(0, len(prefix) - 60) :][:80]!r}"
+            )
+        spans.append((len(prefix), len(prefix) + len(through[len(prefix) :].rstrip())))
+    return full, spans
+
+
+def render_with_mask(tokenizer: PreTrainedTokenizerBase, messages: list[dict], max_length: int) -> dict:
+    """Tokenize a conversation with the tokenizer's own chat template and mark its assistant tokens.
+
+    Reply i spans the characters from the end of render(messages[:i], add_generation_prompt=True) to the
+    end of render(messages[:i+1]), trailing whitespace dropped: the reply plus the template's end-of-turn
+    marker (`<|im_end|>`, `<|eot_id|>`, `<end_of_turn>`, ...), so the heads also learn to stop. No separator
+    is hard-coded, and templates that inject a default system prompt need nothing special. The full
+    rendering is tokenized once with `add_special_tokens=False` (the template writes BOS and the like); a
+    token is an assistant token when its characters overlap a reply span. A raw-text message is tokenized
+    with the tokenizer's special tokens plus EOS, and every token is trained.
+
+    Args:
+        tokenizer: a fast tokenizer (offsets are needed) with a chat template.
+        messages: from `to_messages`.
+        max_length: keep the first max_length tokens (ids and mask alike).
+    Returns:
+        {"input_ids": list[int], "loss_mask": list[int]}, equal lengths: loss_mask[t] = 1 when token t is a
+        target the heads must predict (an assistant token, or any raw-text token).
+    Raises:
+        BadRow: the template rejects the chat, or it opens with an assistant turn.
+        ValueError: a slow tokenizer, or a template that is not prefix-stable (it rewrites earlier turns,
+            or its generation prompt differs from the header it renders before a reply).
+    """
+    if messages[0]["role"] == "text":
+        ids = tokenizer(messages[0]["content"], add_special_tokens=True)["input_ids"]
+        if tokenizer.eos_token_id is not None and ids[-1:] != [tokenizer.eos_token_id]:
+            ids = ids + [tokenizer.eos_token_id]  # the end of the document is a target too
+        return {"input_ids": ids[:max_length], "loss_mask": [1] * min(len(ids), max_length)}
+    if not tokenizer.is_fast:
+        raise ValueError(f"{type(tokenizer).__name__} is a slow tokenizer; loss masks need offset mappings")
+    full, spans = _assistant_spans(tokenizer, messages)
+    encoding = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    mask = [int(any(s < end and e > start for start, end in spans)) for s, e in encoding["offset_mapping"]]
+    return {"input_ids": encoding["input_ids"][:max_length], "loss_mask": mask[:max_length]}
+
+
+@dataclass
+class DataReport:
+    """What `build_dataset` read, kept and skipped, over all its files."""
+
+    total: int = 0  # rows read, good and bad
+    kept: int = 0  # rows in the dataset
+    truncated: int = 0  # kept rows that reached max_length (cut, or exactly that long)
+    bad: dict[str, int] = field(default_factory=dict)  # reason -> rows skipped
+    examples: list[str] = field(default_factory=list)  # the first 10 "file:line: reason: detail"
+
+    def skip(self, where: str, reason: str, detail: str) -> None:
+        """Count one skipped row."""
+        self.bad[reason] = self.bad.get(reason, 0) + 1
+        if len(self.examples) < 10:
+            self.examples.append(f"{where}: {reason}: {detail}")
+
+    def __str__(self) -> str:
+        head = f"{self.kept}/{self.total} rows kept ({self.truncated} truncated), skipped: {self.bad}"
+        return "\n".join([head] + [f"  {example}" for example in self.examples])
+
+
+def build_dataset(
+    files: str | Path | Sequence[str | Path],
+    tokenizer: PreTrainedTokenizerBase,
+    max_length: int,
+    max_bad_fraction: float = 0.05,
+) -> tuple[Dataset, DataReport]:
+    """Read chat files and render and mask every row, skipping and reporting bad rows: "invalid_json",
+    "bad_row" (a `BadRow`, e.g. a chat the template rejects), "empty_loss_mask" (no reply within max_length).
+
+    Args:
+        files: JSON / JSONL files (see `read_rows`, `to_messages`).
+        tokenizer: the target's fast tokenizer, with its chat template.
+        max_length: tokens per example; longer ones are truncated.
+        max_bad_fraction: stop when more than this fraction of one file's rows is skipped.
+    Returns:
+        (dataset with columns input_ids (int32 lists) and loss_mask (int8 lists), report).
+    Raises:
+        ValueError: a file over max_bad_fraction (named, with counts and the first problems) or a template
+            that is not prefix-stable.
+    """
+    files = [files] if isinstance(files, (str, Path)) else list(files)
+    report, columns = DataReport(), {"input_ids": [], "loss_mask": []}
+    for path in files:
+        total, bad = 0, 0
+        for number, row in read_rows(path):
+            total += 1
+            try:
+                if isinstance(row, Exception):
+                    raise row
+                example = render_with_mask(tokenizer, to_messages(row), max_length)
+            except (json.JSONDecodeError, BadRow) as error:
+                reason = "invalid_json" if isinstance(error, json.JSONDecodeError) else "bad_row"
+                report.skip(f"{path}:{number}", reason, str(error))
+                bad += 1
+                continue
+            if not any(example["loss_mask"]):
+                report.skip(f"{path}:{number}", "empty_loss_mask", f"no reply in {max_length} tokens")
+                bad += 1
+                continue
+            report.truncated += len(example["input_ids"]) == max_length
+            for key, column in columns.items():
+                column.append(example[key])
+        report.total, report.kept = report.total + total, len(columns["input_ids"])
+        if bad > max_bad_fraction * total:
+            raise ValueError(
+                f"{path}: {bad} of {total} rows skipped ({bad / total:.1%} > max_bad_fraction="
+                f"{max_bad_fraction}); so far: {report}"
+            )
+    features = Features(input_ids=SequenceFeature(Value("int32")), loss_mask=SequenceFeature(Value("int8")))
+    return Dataset.from_dict(columns, features=features), report
+
+
+def split_eval(dataset: Dataset, fraction: float, seed: int = 0) -> tuple[Dataset, Dataset]:
+    """Random (train, eval) split with `fraction` in (0, 1) of the rows in eval, shuffled with `seed`."""
+    if not 0 < fraction < 1:
+        raise ValueError(f"eval fraction must be in (0, 1), got {fraction}")
+    parts = dataset.train_test_split(test_size=fraction, seed=seed)
+    return parts["train"], parts["test"]
+
+
+def collate(rows: Sequence[dict], pad_token_id: int) -> dict[str, Tensor]:
+    """Right-pad a batch of examples.
+
+    Args:
+        rows: dicts with "input_ids" and "loss_mask" lists (rows of a `build_dataset` dataset).
+        pad_token_id: id written into the padding.
+    Returns:
+        {"input_ids", "attention_mask", "loss_mask"}: int64 (B, T), T the longest row; attention_mask is 1
+        on real tokens; loss_mask is 0 on padding.
+    """
+    ids = [torch.as_tensor(row["input_ids"], dtype=torch.long) for row in rows]
+    input_ids = pad_sequence(ids, batch_first=True, padding_value=pad_token_id)  # (B, T)
+    attention_mask = pad_sequence([torch.ones_like(x) for x in ids], batch_first=True)  # (B, T)
+    masks = [torch.as_tensor(row["loss_mask"], dtype=torch.long) for row in rows]
+    loss_mask = pad_sequence(masks, batch_first=True)  # (B, T)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
+
+
+def token_frequencies(dataset: Dataset, vocab_size: int) -> Tensor:
+    """(V,) int64 count of each target token under the loss mask (the tokens the draft must predict).
+
+    Args:
+        dataset: with input_ids and loss_mask columns.
+        vocab_size: the target's vocabulary size V.
+    """
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for batch in dataset.iter(batch_size=1024):
+        ids = torch.tensor([t for row in batch["input_ids"] for t in row], dtype=torch.long)
+        mask = torch.tensor([m for row in batch["loss_mask"] for m in row], dtype=torch.bool)
+        if ids.numel() and int(ids.max()) >= vocab_size:
+            raise ValueError(f"token id {int(ids.max())} >= vocab_size {vocab_size}")
+        counts += torch.bincount(ids[mask], minlength=vocab_size)
+    return counts
+
+
+def draft_vocab_from_frequencies(counts: Tensor, size: int) -> Tensor:
+    """EAGLE-3 draft vocabulary: (Vd,) int64 ids of the `size` most frequent tokens, ascending (d2t = ids -
+    arange(Vd)); ties, and the fill when fewer than `size` tokens were seen, go to the smaller id.
+
+    Args:
+        counts: (V,) from `token_frequencies`.
+        size: draft vocabulary size Vd, 1 <= Vd <= V.
+    """
+    if not 0 < size <= counts.numel():
+        raise ValueError(f"draft vocab size must be in [1, {counts.numel()}], got {size}")
+    return torch.sort(counts, descending=True, stable=True).indices[:size].sort().values  # stable: ties by id
+
+
+def _prompt(row: dict) -> list[dict]:
+    """A prompt row's messages through its last user turn (a trailing reply is dropped)."""
+    messages = to_messages(row, require_assistant=False)
+    users = [i for i, message in enumerate(messages) if message["role"] == "user"]
+    if not users:
+        raise BadRow("no user turn to answer")
+    return messages[: users[-1] + 1]
+
+
+def _write_shard(path: Path, rows: list[dict]) -> None:
+    """Write a temp file and rename it into place, so a killed run never leaves half a shard."""
+    temp = path.with_name(f".{path.name}.tmp")
+    temp.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
+    os.replace(temp, path)
+
+
+@torch.no_grad()
+def regenerate(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    rows: Iterable[dict],
+    out_dir: str | Path,
+    batch_size: int = 16,
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    shard_size: int = 256,
+) -> dict[str, int]:
+    """Answer every prompt with the target itself and write the chats as JSONL shards (self-distillation).
+
+    Resumable: ids in finished shards are skipped and new shards continue the numbering. Output rows are
+    {"id", "source", "messages": prompt + [{"role": "assistant", "content": reply}], "finish_reason"}, with
+    finish_reason "stop" (an end-of-sequence token ended the reply) or "length" (max_new_tokens hit).
+
+    Args:
+        model: the target, in eval mode.
+        tokenizer: its tokenizer, with the chat template the heads will be trained on.
+        rows: chat rows (`to_messages` formats) with a unique "id"; the prompt is everything through the last
+            user turn (a reply after it is dropped); "source" is copied if present.
+        out_dir: folder for shard-00000.jsonl, shard-00001.jsonl, ... (created).
+        batch_size: prompts per `model.generate` call (left-padded).
+        max_new_tokens: reply length cap.
+        temperature: 0 = greedy; > 0 samples (other sampling settings from the model's generation_config).
+        shard_size: rows per shard; a killed run loses at most the shard in progress.
+    Returns:
+        {"skipped": rows already done, "generated": rows written now, "shards": shards written now}.
+    Raises:
+        BadRow: a row without "id" or without a user turn, or not a chat.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    done = {row["id"] for path in out.glob("shard-*.jsonl") for _, row in read_rows(path)}
+    todo, skipped = {}, 0
+    for row in rows:
+        if "id" not in row:
+            raise BadRow(f"prompt row without 'id' (keys: {sorted(row)})")
+        skipped += row["id"] in done
+        if row["id"] not in done and row["id"] not in todo:
+            todo[row["id"]] = {"id": row["id"], "source": row.get("source"), "messages": _prompt(row)}
+    todo = list(todo.values())
+    next_shard = max((int(p.stem.removeprefix("shard-")) for p in out.glob("shard-*.jsonl")), default=-1) + 1
+    eos = model.generation_config.eos_token_id
+    stop_ids = set(eos if isinstance(eos, list) else [tokenizer.eos_token_id if eos is None else eos])
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stop_ids)
+    generation = {"max_new_tokens": max_new_tokens, "eos_token_id": sorted(stop_ids), "pad_token_id": pad_id}
+    generation |= {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
+    decoding = {"skip_special_tokens": True, "clean_up_tokenization_spaces": False}  # the text as generated
+    padding_side, tokenizer.padding_side = tokenizer.padding_side, "left"  # decoder-only: pad on the left
+    bar = tqdm(total=len(todo), desc="regenerate", unit="prompt")
+    try:
+        for start in range(0, len(todo), shard_size):
+            chunk = todo[start : start + shard_size]
+            texts = [_render(tokenizer, row["messages"], generation_prompt=True) for row in chunk]
+            order = sorted(range(len(chunk)), key=lambda i: len(texts[i]))  # similar lengths: less padding
+            for b in range(0, len(order), batch_size):
+                batch = order[b : b + batch_size]
+                inputs = tokenizer(
+                    [texts[i] for i in batch], add_special_tokens=False, padding=True, return_tensors="pt"
+                )
+                output = model.generate(**inputs.to(model.device), **generation)
+                for i, new_tokens in zip(batch, output[:, inputs["input_ids"].shape[1] :].tolist()):
+                    stop = next((k for k, token in enumerate(new_tokens) if token in stop_ids), None)
+                    reply = tokenizer.decode(new_tokens[:stop], **decoding)
+                    chunk[i]["messages"] = chunk[i]["messages"] + [{"role": "assistant", "content": reply}]
+                    chunk[i]["finish_reason"] = "length" if stop is None else "stop"
+                bar.update(len(batch))
+            _write_shard(out / f"shard-{next_shard:05d}.jsonl", chunk)
+            next_shard += 1
+    finally:
+        tokenizer.padding_side = padding_side
+        bar.close()
+    return {"skipped": skipped, "generated": len(todo), "shards": -(-len(todo) // shard_size)}
