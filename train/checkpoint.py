@@ -9,6 +9,7 @@ import os
 import shutil
 from pathlib import Path
 
+import torch
 from accelerate import Accelerator
 from torch import nn
 
@@ -75,7 +76,11 @@ def export_head(accelerator: Accelerator, wrapper: nn.Module, output_dir: str | 
     state = accelerator.get_state_dict(wrapper)  # collective under ZeRO-3: every rank gathers its shards
     if accelerator.is_main_process:
         head = getattr(accelerator.unwrap_model(wrapper), attr)
-        fresh = build_head(head.head_type, head.config.to_dict())  # full-size even when ZeRO-3 sharded `head`
+        # A full-size copy even when ZeRO-3 sharded `head`. Its random init must not draw from the training
+        # RNG: a resumed run restores the RNG as saved before this export (and only the main process exports),
+        # so eagle1's feature noise would diverge from an uninterrupted run's.
+        with torch.random.fork_rng(devices=[]):
+            fresh = build_head(head.head_type, head.config.to_dict())
         prefix = f"{attr}."
         fresh.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
         save_heads(fresh, path, **save_kwargs)

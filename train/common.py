@@ -3,9 +3,13 @@ optimizer schedule, the NaN guard and the periodic simulated-tau evaluation. Pla
 
 from __future__ import annotations
 
+import glob
 import math
 import os
 import statistics
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -16,6 +20,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 from transformers import get_scheduler
 
+from train.checkpoint import latest_state
 from train.config import DataConfig, TrainConfig
 from train.data import build_dataset, collate, split_eval
 
@@ -49,14 +54,49 @@ def make_accelerator(train: TrainConfig) -> Accelerator:
     return accelerator
 
 
+@contextmanager
+def whole_on_every_rank(accelerator: Accelerator) -> Iterator[None]:
+    """Load the frozen target unsharded inside this block, also under ZeRO-3.
+
+    Under ZeRO-3 accelerate registers its DeepSpeed config with transformers even with zero3_init_flag false,
+    and `from_pretrained` then partitions every weight (zero.Init). The target never becomes a DeepSpeed
+    engine, so its weights would stay empty tensors on every rank (IndexError at the first lookup).
+    """
+    deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
+    plugin = accelerator.state.deepspeed_plugin if deepspeed else None
+    if plugin is None or plugin.zero_stage != 3:
+        yield
+        return
+    from transformers.integrations import unset_hf_deepspeed_config  # lazy: only DeepSpeed runs need it
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        plugin.set_deepspeed_weakref()  # restore it: later HF calls see ZeRO-3 again
+
+
+def expand_files(patterns: list[str]) -> list[str]:
+    """Files named by paths or glob patterns (e.g. data/smollm2/regen/*.jsonl), sorted per pattern."""
+    files = []
+    for pattern in patterns:
+        matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
+        if not matches:
+            raise FileNotFoundError(f"data file pattern {pattern!r} matches no file")
+        files += matches
+    return files
+
+
 def load_datasets(data: DataConfig, tokenizer, accelerator: Accelerator) -> tuple[Dataset, Dataset | None]:
     """(train, eval) datasets, rendered with the target's chat template and masked to assistant tokens."""
     with accelerator.main_process_first():
-        train_set, report = build_dataset(data.train_files, tokenizer, data.max_length, data.max_bad_fraction)
+        train_set, report = build_dataset(expand_files(data.train_files), tokenizer, data.max_length,
+                                          data.max_bad_fraction)
         accelerator.print(f"train data: {report}")
         eval_set = None
         if data.eval_files:
-            eval_set, eval_report = build_dataset(data.eval_files, tokenizer, data.max_length, data.max_bad_fraction)
+            eval_set, eval_report = build_dataset(expand_files(data.eval_files), tokenizer, data.max_length,
+                                                  data.max_bad_fraction)
             accelerator.print(f"eval data: {eval_report}")
         elif data.eval_fraction > 0:
             train_set, eval_set = split_eval(train_set, data.eval_fraction, data.shuffle_seed)
@@ -78,14 +118,42 @@ def epoch_loader(dataset: Dataset, train: TrainConfig, data: DataConfig, epoch: 
                  accelerator: Accelerator, skip_batches: int = 0) -> DataLoader:
     """This epoch's batches: a seeded shuffle (same order on every rank and on resume), sharded by accelerate."""
     ordered = dataset.shuffle(seed=data.shuffle_seed + epoch)
+    # Its own generator: each new iterator draws a base seed from `generator`, by default the global RNG,
+    # and a resumed run starts one more iterator than an uninterrupted one: its noise would differ after it.
     loader = DataLoader(ordered, batch_size=train.per_device_batch_size, shuffle=False, drop_last=True,
-                        collate_fn=lambda rows: collate(rows, pad_id))
+                        collate_fn=lambda rows: collate(rows, pad_id),
+                        generator=torch.Generator().manual_seed(data.shuffle_seed + epoch))
     loader = accelerator.prepare_data_loader(loader)
     return accelerator.skip_first_batches(loader, skip_batches) if skip_batches else loader
 
 
 def total_steps(train: TrainConfig, per_epoch: int) -> int:
     return train.max_steps if train.max_steps > 0 else per_epoch * train.num_epochs
+
+
+class StepLogger:
+    """Per-optimizer-step logging shared by the recipes: loss, lr, grad norm, tokens/s and the loss metrics
+    (per-head / per-TTT-step top-1), to the progress bar and to `accelerator.log` every `every` steps."""
+
+    def __init__(self, accelerator: Accelerator, progress, every: int) -> None:
+        self.accelerator, self.progress, self.every = accelerator, progress, every
+        self.tokens, self.started = 0, time.perf_counter()
+
+    def count(self, batch: dict) -> None:
+        self.tokens += int(batch["attention_mask"].sum())
+
+    def step(self, step: int, last: bool, loss: torch.Tensor, lr: float, grad_norm, metrics: dict) -> None:
+        self.progress.update()
+        if step % self.every and not last:
+            return
+        elapsed = time.perf_counter() - self.started
+        tokens = self.accelerator.gather(torch.tensor([self.tokens], device=loss.device)).sum().item()
+        logs = {"loss": loss.item(), "lr": lr, "tokens_per_s": tokens / max(elapsed, 1e-9),
+                **({"grad_norm": float(grad_norm)} if grad_norm is not None else {}),
+                **{k: v.item() for k, v in metrics.items()}}
+        self.progress.set_postfix(loss=f"{logs['loss']:.3f}", lr=f"{lr:.2e}")
+        self.accelerator.log(logs, step=step)
+        self.tokens, self.started = 0, time.perf_counter()
 
 
 def make_optimizer(param_groups, train: TrainConfig, num_steps: int):
@@ -97,12 +165,17 @@ def make_optimizer(param_groups, train: TrainConfig, num_steps: int):
     return optimizer, get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=num_steps)
 
 
-def check_finite(loss: torch.Tensor, step: int, output_dir: str | Path) -> None:
-    """Stop on a NaN/inf loss; the last good resume state stays on disk."""
-    if not torch.isfinite(loss).all():
-        raise FloatingPointError(f"loss is {loss.item()} at optimizer step {step}: stopping. The last good "
-                                 f"resume state under {Path(output_dir) / 'state'} is kept; lower the learning "
-                                 f"rate or check the data, then rerun the same command to resume")
+def check_finite(accelerator: Accelerator, loss: torch.Tensor, completed_steps: int, output_dir: str | Path) -> None:
+    """Stop on a NaN/inf loss of optimizer step `completed_steps + 1` on ANY rank (all ranks stop together,
+    none is left waiting in a collective); the last good resume state stays."""
+    bad = accelerator.gather((~torch.isfinite(loss.detach())).any().float()[None]).sum() > 0
+    if bad:
+        state = latest_state(output_dir)
+        kept = f"The last good resume state, {state}, is kept" if state else "No resume state was written yet"
+        raise FloatingPointError(f"loss is {loss.item()} on this rank, non-finite on at least one rank, at "
+                                 f"optimizer step {completed_steps + 1}: stopping. "
+                                 f"{kept}; lower the learning rate or check the data, then rerun the same "
+                                 f"command to resume")
 
 
 @torch.no_grad()

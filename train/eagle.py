@@ -11,7 +11,6 @@ Rerunning the same command resumes from the newest complete state.
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -23,7 +22,7 @@ from heads import EagleConfig, EagleHead, FeatureCapture
 from heads.target import load_target
 from train.checkpoint import export_head, latest_state, load_state, save_state
 from train.common import (check_finite, epoch_loader, load_datasets, make_accelerator, make_optimizer,
-                          simulated_tau, steps_per_epoch, total_steps)
+                          simulated_tau, StepLogger, steps_per_epoch, total_steps, whole_on_every_rank)
 from train.config import EagleRunConfig, EagleTrainConfig, load_config, save_config, to_dict
 from train.data import draft_vocab_from_frequencies, token_frequencies
 from train.losses import eagle1_loss, eagle3_ttt_loss
@@ -45,7 +44,7 @@ class EagleStep(nn.Module):
         embed, lm_head = self._frozen
         if self.head.head_type == "eagle1":
             return eagle1_loss(self.head, features, input_ids, target_logits, loss_mask, embed, lm_head,
-                               noise_width=self.cfg.noise_width, feature_weight=self.cfg.feature_loss_weight,
+                               noise_width=self.cfg.noise_width if self.training else 0.0, feature_weight=self.cfg.feature_loss_weight,
                                ce_weight=self.cfg.ce_loss_weight)
         return eagle3_ttt_loss(self.head, features, input_ids, target_logits, loss_mask, embed,
                                ttt_steps=self.cfg.ttt_steps, decay=self.cfg.ttt_decay)
@@ -83,11 +82,13 @@ def eval_loss(step_module: nn.Module, target: nn.Module, capture: FeatureCapture
         return None
     loader = epoch_loader(eval_set, cfg.train, cfg.data, 0, pad_id, accelerator)
     losses = []
+    step_module.eval()  # no feature noise
     for i, batch in enumerate(loader):
         if i >= max_batches:
             break
         features, logits = target_pass(target, capture, batch)
         losses.append(step_module(features, batch["input_ids"], logits, batch["loss_mask"])[0].detach())
+    step_module.train()
     if not losses:
         return None
     return accelerator.gather(torch.stack(losses).mean()[None]).mean().item()
@@ -101,8 +102,10 @@ def main(cfg: EagleRunConfig) -> None:
                       f"process(es), {accelerator.distributed_type}")
 
     # 1. frozen target + trainable head
-    target, tokenizer = load_target(cfg.model.target, dtype=DTYPES[cfg.model.dtype],
-                                    attn_implementation=cfg.model.attn_implementation, device=accelerator.device)
+    with whole_on_every_rank(accelerator):  # frozen: replicated, never sharded (ZeRO-3 would partition it)
+        target, tokenizer = load_target(cfg.model.target, dtype=DTYPES[cfg.model.dtype],
+                                        attn_implementation=cfg.model.attn_implementation,
+                                        device=accelerator.device)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     # 2. data
@@ -132,7 +135,7 @@ def main(cfg: EagleRunConfig) -> None:
     capture = FeatureCapture(target, head.feature_layers).__enter__()
     export_kwargs = dict(base_model=cfg.model.target, base_revision=cfg.model.revision, target=target)
     progress = tqdm(total=num_steps, initial=step, disable=not accelerator.is_main_process, desc="train")
-    tokens, started = 0, time.perf_counter()
+    logger = StepLogger(accelerator, progress, cfg.train.log_every_steps)
     while step < num_steps:
         epoch, done = divmod(step, per_epoch)
         loader = epoch_loader(train_set, cfg.train, cfg.data, epoch, pad_id, accelerator,
@@ -141,28 +144,19 @@ def main(cfg: EagleRunConfig) -> None:
             with accelerator.accumulate(step_module):
                 features, logits = target_pass(target, capture, batch)
                 loss, metrics = step_module(features, batch["input_ids"], logits, batch["loss_mask"])
-                check_finite(loss, step, out)
+                check_finite(accelerator, loss, step, out)
                 accelerator.backward(loss)
                 grad_norm = None
                 if accelerator.sync_gradients and cfg.train.max_grad_norm > 0:
                     grad_norm = accelerator.clip_grad_norm_(step_module.parameters(), cfg.train.max_grad_norm)
                 optimizer.step()
                 optimizer.zero_grad()
-            tokens += int(batch["attention_mask"].sum())
+            logger.count(batch)
             if not accelerator.sync_gradients:
                 continue
             scheduler.step()
             step += 1
-            progress.update()
-            if step % cfg.train.log_every_steps == 0 or step == num_steps:
-                elapsed, tokens_all = time.perf_counter() - started, accelerator.gather(torch.tensor([tokens])).sum()
-                logs = {"loss": loss.item(), "lr": scheduler.get_last_lr()[0],
-                        "tokens_per_s": tokens_all.item() / max(elapsed, 1e-9),
-                        **({"grad_norm": float(grad_norm)} if grad_norm is not None else {}),
-                        **{k: v.item() for k, v in metrics.items()}}
-                progress.set_postfix(loss=f"{logs['loss']:.3f}", lr=f"{logs['lr']:.2e}")
-                accelerator.log(logs, step=step)
-                tokens, started = 0, time.perf_counter()
+            logger.step(step, step == num_steps, loss, scheduler.get_last_lr()[0], grad_norm, metrics)
             if step % cfg.train.eval_every_steps == 0 if cfg.train.eval_every_steps else step == num_steps:
                 evaluate(accelerator, step_module, target, capture, eval_set, cfg, pad_id, step)
             if cfg.train.save_every_steps and step % cfg.train.save_every_steps == 0 and step < num_steps:

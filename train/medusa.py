@@ -12,7 +12,6 @@ for Medusa-2, the LoRA adapter (output_dir/lora, safetensors): decode with the a
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -25,7 +24,7 @@ from heads import MedusaConfig, MedusaHeads
 from heads.target import load_target
 from train.checkpoint import export_head, latest_state, load_state, save_state
 from train.common import (check_finite, epoch_loader, load_datasets, make_accelerator, make_optimizer,
-                          simulated_tau, steps_per_epoch, total_steps)
+                          simulated_tau, StepLogger, steps_per_epoch, total_steps, whole_on_every_rank)
 from train.config import MedusaRunConfig, MedusaTrainConfig, load_config, save_config, to_dict
 from train.losses import masked_mean, medusa_loss_from_hidden
 
@@ -69,10 +68,17 @@ class MedusaStep(nn.Module):
         return lm_weight * lm_loss + self.cfg.head_loss_weight * head_loss, metrics
 
 
-def frozen_or_lora_target(cfg: MedusaRunConfig, device) -> tuple[nn.Module, object]:
-    """The target (frozen) and tokenizer; wrapped with trainable LoRA adapters for Medusa-2."""
-    target, tokenizer = load_target(cfg.model.target, dtype=DTYPES[cfg.model.dtype],
-                                    attn_implementation=cfg.model.attn_implementation, device=device)
+def frozen_or_lora_target(cfg: MedusaRunConfig, accelerator) -> tuple[nn.Module, object]:
+    """The target (frozen, replicated on every rank) and tokenizer; wrapped with trainable LoRA adapters for
+    Medusa-2 (then it is part of the trained module, which ZeRO-3 may shard)."""
+    if cfg.medusa.lora_r > 0:
+        target, tokenizer = load_target(cfg.model.target, dtype=DTYPES[cfg.model.dtype],
+                                        attn_implementation=cfg.model.attn_implementation, device=accelerator.device)
+    else:
+        with whole_on_every_rank(accelerator):
+            target, tokenizer = load_target(cfg.model.target, dtype=DTYPES[cfg.model.dtype],
+                                            attn_implementation=cfg.model.attn_implementation,
+                                            device=accelerator.device)
     if cfg.medusa.lora_r > 0:
         from peft import LoraConfig, get_peft_model
 
@@ -91,7 +97,7 @@ def main(cfg: MedusaRunConfig) -> None:
                       f"{accelerator.num_processes} process(es)")
 
     # 1. target (frozen, or LoRA for Medusa-2) + trainable heads, projections initialised from its lm_head
-    target, tokenizer = frozen_or_lora_target(cfg, accelerator.device)
+    target, tokenizer = frozen_or_lora_target(cfg, accelerator)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     text = target.config.get_text_config()
     heads = MedusaHeads(MedusaConfig(text.hidden_size, text.vocab_size, num_heads=cfg.medusa.num_heads,
@@ -128,7 +134,7 @@ def main(cfg: MedusaRunConfig) -> None:
     # 5. loop
     export_kwargs = dict(base_model=cfg.model.target, base_revision=cfg.model.revision, target=target)
     progress = tqdm(total=num_steps, initial=step, disable=not accelerator.is_main_process, desc="train")
-    tokens, started = 0, time.perf_counter()
+    logger = StepLogger(accelerator, progress, cfg.train.log_every_steps)
     while step < num_steps:
         epoch, done = divmod(step, per_epoch)
         loader = epoch_loader(train_set, cfg.train, cfg.data, epoch, pad_id, accelerator,
@@ -138,7 +144,7 @@ def main(cfg: MedusaRunConfig) -> None:
             with accelerator.accumulate(step_module):
                 loss, metrics = step_module(batch["input_ids"], batch["attention_mask"], batch["loss_mask"],
                                             lm_weight=0.0 if stage_one else 1.0)
-                check_finite(loss, step, out)
+                check_finite(accelerator, loss, step, out)
                 accelerator.backward(loss)
                 grad_norm = None
                 if accelerator.sync_gradients and cfg.train.max_grad_norm > 0:
@@ -148,21 +154,12 @@ def main(cfg: MedusaRunConfig) -> None:
                         p.grad = None  # heads-only stage: LoRA weights do not move
                 optimizer.step()
                 optimizer.zero_grad()
-            tokens += int(batch["attention_mask"].sum())
+            logger.count(batch)
             if not accelerator.sync_gradients:
                 continue
             scheduler.step()
             step += 1
-            progress.update()
-            if step % cfg.train.log_every_steps == 0 or step == num_steps:
-                elapsed, tokens_all = time.perf_counter() - started, accelerator.gather(torch.tensor([tokens])).sum()
-                logs = {"loss": loss.item(), "lr": scheduler.get_last_lr()[0],
-                        "tokens_per_s": tokens_all.item() / max(elapsed, 1e-9),
-                        **({"grad_norm": float(grad_norm)} if grad_norm is not None else {}),
-                        **{k: v.item() for k, v in metrics.items()}}
-                progress.set_postfix(loss=f"{logs['loss']:.3f}", lr=f"{logs['lr']:.2e}")
-                accelerator.log(logs, step=step)
-                tokens, started = 0, time.perf_counter()
+            logger.step(step, step == num_steps, loss, scheduler.get_last_lr()[0], grad_norm, metrics)
             if cfg.train.eval_every_steps and step % cfg.train.eval_every_steps == 0 or step == num_steps:
                 evaluate(accelerator, step_module, eval_set, cfg, step)
             if cfg.train.save_every_steps and step % cfg.train.save_every_steps == 0 and step < num_steps:

@@ -1,0 +1,140 @@
+"""Shared fixtures of the recipe tests: a tiny saved target with the real SmolLM2 tokenizer, a chat file, and
+helpers that run a recipe in-process (`main(load_config(...))`) or as a subprocess (`python` / `accelerate
+launch`, from the repository root, like a user would)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from heads.target import materialize_default_target
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY_YAML = ROOT / "configs" / "tiny_test.yaml"
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory) -> Path:
+    """A random 4-layer llama (H=32, tied embeddings) saved with the SmolLM2 tokenizer, so the recipe's
+    chat template, masking and draft-vocabulary code run on a real 49k vocabulary. No network."""
+    tokenizer = AutoTokenizer.from_pretrained(materialize_default_target())
+    config = AutoConfig.for_model("llama", hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=len(tokenizer),
+                                  tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    path = tmp_path_factory.mktemp("tiny_llama")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def chat_file(tmp_path_factory) -> Path:
+    """40 one-turn chats of varied length (most are truncated at tiny_test's max_length of 64)."""
+    rows = [{"messages": [{"role": "user", "content": f"Question {i}: what is {i} plus {i}?"},
+                          {"role": "assistant", "content": f"The answer is {2 * i}. " * (1 + i % 7)}]}
+            for i in range(40)]
+    path = tmp_path_factory.mktemp("chats") / "train.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="session")
+def overrides(tiny_target_dir, chat_file):
+    """`overrides(output_dir, *extra, train_file=None)`: CLI overrides pointing tiny_test.yaml at the
+    fixtures."""
+    def make(output_dir, *extra: str, train_file: Path | None = None) -> list[str]:
+        return [f"model.target='{tiny_target_dir}'", f"data.train_files=['{train_file or chat_file}']",
+                f"train.output_dir='{output_dir}'", *extra]
+    return make
+
+
+def _reset_accelerate() -> None:
+    """Forget the process-wide accelerate singletons, so the next in-process run starts clean."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+@pytest.fixture(scope="session")
+def run_recipe():
+    """`run_recipe(overrides)`: train/eagle.py's `main` on tiny_test.yaml in this process, one thread."""
+    from train.config import EagleRunConfig, load_config
+    from train.eagle import main
+
+    def run(args: list[str]) -> None:
+        cfg = load_config(EagleRunConfig, TINY_YAML, args)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # as in the subprocesses (OMP_NUM_THREADS=1), so results compare bit for bit
+        _reset_accelerate()
+        try:
+            main(cfg)
+        finally:
+            _reset_accelerate()
+            torch.set_num_threads(threads)
+    return run
+
+
+def _subprocess_env() -> dict[str, str]:
+    """One thread per process (2 cores, up to 2 processes) and no inherited accelerate settings."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    return env
+
+
+def _launch_command(script: str | list[str], args: list[str],
+                    accelerate_config: str | None = None) -> list[str]:
+    """`python <script> configs/tiny_test.yaml <args>`, or the same under `accelerate launch --config_file
+    configs/accelerate/<accelerate_config>`; paths relative to the repository root, as a user types them.
+    `script` may be a list: a wrapper script and its arguments (the recipe it runs)."""
+    script = [script] if isinstance(script, str) else list(script)
+    if accelerate_config is None:
+        return [sys.executable, *script, "configs/tiny_test.yaml", *args]
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+            f"configs/accelerate/{accelerate_config}", *script, "configs/tiny_test.yaml", *args]
+
+
+def _start(command: list[str], log: Path) -> subprocess.Popen:
+    """Start `command` from the repository root in its own process group, output to `log`."""
+    with open(log, "w") as out:
+        return subprocess.Popen(command, cwd=ROOT, env=_subprocess_env(), stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """SIGKILL the process group we started (accelerate's workers included) and reap it."""
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+def _run_command(command: list[str], log: Path, timeout: float) -> str:
+    """Run to the end; fail with the log's tail on a non-zero exit or after `timeout` s. Returns the log."""
+    process = _start(command, log)
+    try:
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        _stop(process)
+        pytest.fail(f"{' '.join(command)} ran past {timeout} s:\n{log.read_text(errors='replace')[-6000:]}")
+    text = log.read_text(errors="replace")
+    assert process.returncode == 0, f"{' '.join(command)} exited {process.returncode}:\n{text[-6000:]}"
+    return text
+
+
+@pytest.fixture(scope="session")
+def cli():
+    """Subprocess helpers: `cli.command(script, args, accelerate_config=None)` builds a command line;
+    `cli.run(command, log, timeout)` runs it to success; `cli.start(command, log)` / `cli.stop(process)`
+    start one in the background and SIGKILL its process group."""
+    return SimpleNamespace(command=_launch_command, run=_run_command, start=_start, stop=_stop)
