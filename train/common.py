@@ -115,13 +115,14 @@ def steps_per_epoch(dataset: Dataset, train: TrainConfig, num_processes: int) ->
 
 
 def epoch_loader(dataset: Dataset, train: TrainConfig, data: DataConfig, epoch: int, pad_id: int,
-                 accelerator: Accelerator, skip_batches: int = 0) -> DataLoader:
-    """This epoch's batches: a seeded shuffle (same order on every rank and on resume), sharded by accelerate."""
+                 accelerator: Accelerator, skip_batches: int = 0, collate_fn=None) -> DataLoader:
+    """This epoch's batches: a seeded shuffle (same order on every rank and on resume), sharded by accelerate.
+    `collate_fn` replaces the default padding collate (offline hidden states build their own batches)."""
     ordered = dataset.shuffle(seed=data.shuffle_seed + epoch)
     # Its own generator: each new iterator draws a base seed from `generator`, by default the global RNG,
     # and a resumed run starts one more iterator than an uninterrupted one: its noise would differ after it.
     loader = DataLoader(ordered, batch_size=train.per_device_batch_size, shuffle=False, drop_last=True,
-                        collate_fn=lambda rows: collate(rows, pad_id),
+                        collate_fn=collate_fn or (lambda rows: collate(rows, pad_id)),
                         generator=torch.Generator().manual_seed(data.shuffle_seed + epoch))
     loader = accelerator.prepare_data_loader(loader)
     return accelerator.skip_first_batches(loader, skip_batches) if skip_batches else loader

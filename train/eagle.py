@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 from accelerate.utils import DistributedType, set_seed
+from datasets import Dataset
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
@@ -26,6 +27,7 @@ from train.common import (check_finite, epoch_loader, load_datasets, make_accele
 from train.config import EagleRunConfig, EagleTrainConfig, load_config, save_config, to_dict
 from train.data import draft_vocab_from_frequencies, token_frequencies
 from train.losses import eagle1_loss, eagle3_ttt_loss
+from train.offline import OfflineStates
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -72,6 +74,21 @@ def target_pass(target: nn.Module, capture: FeatureCapture, batch: dict) -> tupl
     """The frozen target's tapped features (B, T, F) and logits (B, T, V) for a batch."""
     logits = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     return capture.features(), logits
+
+
+def offline_rows(cfg: EagleRunConfig, head: EagleHead, target: nn.Module, train_set, pad_id: int):
+    """(rows to shuffle and shard, collate_fn): the tokenised set online; example indices into the dump
+    offline, whose batches carry `features` and the target's `logits` recomputed from the stored final state."""
+    if cfg.data.hidden_states == "online":
+        return train_set, None
+    states = OfflineStates(cfg.data.offline_dir, head.feature_layers,
+                           softcap=getattr(target.config.get_text_config(), "final_logit_softcapping", None))
+    if len(states) != len(train_set):
+        raise ValueError(f"{cfg.data.offline_dir} holds {len(states)} examples but the training set has "
+                         f"{len(train_set)}: rerun scripts/dump_hidden_states.py with this config")
+    lm_head = target.get_output_embeddings()
+    return (Dataset.from_dict({"index": list(range(len(train_set)))}),
+            lambda batch: states.batch([row["index"] for row in batch], pad_id, lm_head))
 
 
 @torch.no_grad()
@@ -131,18 +148,22 @@ def main(cfg: EagleRunConfig) -> None:
         step = load_state(accelerator, state)
         accelerator.print(f"resumed from {state} at step {step}/{num_steps}")
 
-    # 5. loop
+    # 5. loop; hidden states come from the target online, or from a dump (scripts/dump_hidden_states.py)
+    rows, collate_fn = offline_rows(cfg, head, target, train_set, pad_id)
     capture = FeatureCapture(target, head.feature_layers).__enter__()
     export_kwargs = dict(base_model=cfg.model.target, base_revision=cfg.model.revision, target=target)
     progress = tqdm(total=num_steps, initial=step, disable=not accelerator.is_main_process, desc="train")
     logger = StepLogger(accelerator, progress, cfg.train.log_every_steps)
     while step < num_steps:
         epoch, done = divmod(step, per_epoch)
-        loader = epoch_loader(train_set, cfg.train, cfg.data, epoch, pad_id, accelerator,
-                              skip_batches=done * cfg.train.gradient_accumulation_steps)
+        loader = epoch_loader(rows, cfg.train, cfg.data, epoch, pad_id, accelerator,
+                              skip_batches=done * cfg.train.gradient_accumulation_steps, collate_fn=collate_fn)
         for batch in loader:
             with accelerator.accumulate(step_module):
-                features, logits = target_pass(target, capture, batch)
+                if collate_fn is None:
+                    features, logits = target_pass(target, capture, batch)
+                else:
+                    features, logits = batch["features"], batch["logits"]
                 loss, metrics = step_module(features, batch["input_ids"], logits, batch["loss_mask"])
                 check_finite(accelerator, loss, step, out)
                 accelerator.backward(loss)

@@ -89,6 +89,9 @@ def frozen_or_lora_target(cfg: MedusaRunConfig, accelerator) -> tuple[nn.Module,
 
 
 def main(cfg: MedusaRunConfig) -> None:
+    if cfg.data.hidden_states != "online":  # fail before any model loads
+        raise ValueError("data.hidden_states=offline is implemented for train/eagle.py only; the Medusa recipe "
+                         "runs the target online (Medusa-2 must: its LoRA changes the states)")
     accelerator = make_accelerator(cfg.train)
     set_seed(cfg.train.seed)
     out = Path(cfg.train.output_dir)

@@ -68,3 +68,8 @@ def test_medusa2_trains_lora_after_heads_only_stage(tmp_path, overrides):
 def test_bad_medusa_overrides_name_the_key(tmp_path, overrides, bad):
     with pytest.raises(ValueError, match=bad.split("=")[0].replace(".", r"\.")):
         load_config(MedusaRunConfig, TINY_YAML, overrides(tmp_path, bad))
+
+
+def test_offline_states_are_refused_before_loading(tmp_path, overrides):
+    with pytest.raises(ValueError, match="offline is implemented for train/eagle.py only"):
+        run(overrides(tmp_path, "data.hidden_states=offline", "data.offline_dir=/nonexistent"))

@@ -1,0 +1,56 @@
+"""Offline hidden states: a dump + offline training equals online training; a stale dump is refused."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from heads.target import load_target
+from train.config import EagleRunConfig, load_config
+from train.data import build_dataset
+from train.offline import OfflineStates, dump_hidden_states, estimate_bytes
+
+TINY_YAML = Path(__file__).resolve().parents[2] / "configs" / "tiny_test.yaml"
+FAST = ["train.eval_tau_prompts=0", "eagle.draft_vocab_size=256", "data.eval_fraction=0", "train.max_steps=3"]
+
+
+def _dump(tiny_target_dir, chat_file, out, layer_ids):
+    model, tokenizer = load_target(str(tiny_target_dir))
+    dataset, _ = build_dataset([str(chat_file)], tokenizer, 64, 0.5)
+    dump_hidden_states(model, dataset, layer_ids, out, shard_size=8)
+    return model, dataset
+
+
+def test_offline_training_equals_online(tmp_path, overrides, run_recipe, tiny_target_dir, chat_file, capsys):
+    cfg = load_config(EagleRunConfig, TINY_YAML, overrides(tmp_path / "x", *FAST))
+    model, _ = load_target(str(tiny_target_dir))
+    from heads import EagleConfig
+    taps = EagleConfig.from_target(model.config, "eagle3").aux_layer_ids
+    _, dataset = _dump(tiny_target_dir, chat_file, tmp_path / "states", taps)
+    assert "MiB to write" in capsys.readouterr().out  # the size is printed before writing
+    assert len(list((tmp_path / "states").glob("shard-*.safetensors"))) == -(-len(dataset) // 8)
+    run_recipe(overrides(tmp_path / "online", *FAST))
+    run_recipe(overrides(tmp_path / "offline", *FAST, "data.hidden_states=offline",
+                         f"data.offline_dir='{tmp_path / 'states'}'"))
+    online = load_file(tmp_path / "online" / "head" / "model.safetensors")
+    offline = load_file(tmp_path / "offline" / "head" / "model.safetensors")
+    for key in online:
+        torch.testing.assert_close(offline[key], online[key], atol=1e-5, rtol=1e-4, msg=key)
+    assert cfg.data.hidden_states == "online"
+
+
+def test_offline_states_refuse_other_taps_and_missing_dump(tmp_path, tiny_target_dir, chat_file):
+    _dump(tiny_target_dir, chat_file, tmp_path / "states", (0, 1))
+    with pytest.raises(ValueError, match=r"holds taps \[0, 1\], the head needs \[0, 2\]"):
+        OfflineStates(tmp_path / "states", (0, 2))
+    with pytest.raises(FileNotFoundError, match="no offline hidden states"):
+        OfflineStates(tmp_path / "nothing", (0, 1))
+
+
+def test_size_estimate_counts_taps_and_final_state():
+    from datasets import Dataset
+
+    rows = Dataset.from_dict({"input_ids": [[1, 2, 3], [4, 5]], "loss_mask": [[0, 1, 1], [1, 1]]})
+    assert estimate_bytes(rows, (0, 1, 2), 8, torch.float32) == 5 * ((3 + 1) * 8 * 4 + 9)
+    assert estimate_bytes(rows, (-1,), 8, torch.float32) == 5 * (1 * 8 * 4 + 9)

@@ -1,0 +1,110 @@
+"""Offline hidden states: run the frozen target once over the training data and store, per example, only
+what the head needs (its tapped features and the final hidden state, from which the target's logits are
+recomputed with its lm_head), as sharded safetensors. Training then reads shards instead of running the
+target (SpecForge/EAGLE "offline" mode): cheaper steps, at the cost of disk."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from datasets import Dataset
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from heads.features import LAST, FeatureCapture
+
+INDEX_FILE = "index.json"
+
+
+def estimate_bytes(dataset: Dataset, layer_ids: tuple[int, ...], hidden_size: int, dtype: torch.dtype) -> int:
+    """Bytes the dump of `dataset` will take: tokens x (taps + final state) x H x element size (+ ids, masks)."""
+    tokens = sum(len(ids) for ids in dataset["input_ids"])
+    width = (len(layer_ids) + (LAST not in layer_ids)) * hidden_size
+    return tokens * (width * torch.tensor([], dtype=dtype).element_size() + 8 + 1)
+
+
+@torch.no_grad()
+def dump_hidden_states(target: nn.Module, dataset: Dataset, layer_ids: tuple[int, ...], out_dir: str | Path,
+                       shard_size: int = 32, dtype: torch.dtype = torch.float32) -> Path:
+    """Write `out_dir/shard-NNNNN.safetensors` (per example i: `ids.i`, `mask.i`, `features.i`, `last.i`) and
+    `index.json`; prints the size before writing. Finished shards are kept on rerun (resumable)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    hidden = target.config.get_text_config().hidden_size
+    size = estimate_bytes(dataset, layer_ids, hidden, dtype)
+    print(f"offline hidden states: {len(dataset)} examples, {size / 2**20:.1f} MiB to write into {out}", flush=True)
+    taps = tuple(layer_ids) + (() if LAST in layer_ids else (LAST,))
+    shards = []
+    with FeatureCapture(target, taps) as capture:
+        for start in tqdm(range(0, len(dataset), shard_size), desc="dump"):
+            name = f"shard-{start // shard_size:05d}.safetensors"
+            shards.append(name)
+            if (out / name).is_file():
+                continue
+            tensors = {}
+            for i in range(start, min(start + shard_size, len(dataset))):
+                row = dataset[i]
+                ids = torch.tensor(row["input_ids"], dtype=torch.long, device=target.device)[None]
+                target(input_ids=ids)
+                states = capture.features()[0].to(dtype).cpu()                    # (T, len(taps) * H)
+                tensors[f"ids.{i}"] = ids[0].cpu()
+                tensors[f"mask.{i}"] = torch.tensor(row["loss_mask"], dtype=torch.int8)
+                tensors[f"features.{i}"] = states[:, : len(layer_ids) * hidden].contiguous()
+                tensors[f"last.{i}"] = states[:, -hidden:].contiguous()
+            tmp = out / f".{name}.tmp"
+            save_file(tensors, tmp)
+            os.replace(tmp, out / name)
+    index = {"examples": len(dataset), "shard_size": shard_size, "layer_ids": list(layer_ids), "shards": shards,
+             "hidden_size": hidden, "dtype": str(dtype).removeprefix("torch.")}
+    (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    return out
+
+
+class OfflineStates:
+    """Reads a dump; checks it holds the taps the head needs. Rows come back as the recipe's batches do."""
+
+    def __init__(self, out_dir: str | Path, layer_ids: tuple[int, ...], softcap: float | None = None) -> None:
+        self.root, self.softcap = Path(out_dir), softcap
+        index_file = self.root / INDEX_FILE
+        if not index_file.is_file():
+            raise FileNotFoundError(f"{index_file}: no offline hidden states here; write them with "
+                                    f"scripts/dump_hidden_states.py")
+        self.index = json.loads(index_file.read_text())
+        if tuple(self.index["layer_ids"]) != tuple(layer_ids):
+            raise ValueError(f"{self.root} holds taps {self.index['layer_ids']}, the head needs {list(layer_ids)}")
+
+    def __len__(self) -> int:
+        return self.index["examples"]
+
+    def row(self, i: int) -> dict[str, Tensor]:
+        shard = self.root / self.index["shards"][i // self.index["shard_size"]]
+        with safe_open(shard, framework="pt") as tensors:  # memory-mapped: reads only this row's tensors
+            return {k: tensors.get_tensor(f"{k}.{i}") for k in ("ids", "mask", "features", "last")}
+
+    def batch(self, indices: list[int], pad_id: int, lm_head: nn.Module) -> dict[str, Tensor]:
+        """Right-padded batch with `features` (B, T, F) and the target's `logits` (B, T, V) from `last`."""
+        rows = [self.row(i) for i in indices]
+        length = max(r["ids"].numel() for r in rows)
+        out = {"input_ids": torch.full((len(rows), length), pad_id, dtype=torch.long),
+               "attention_mask": torch.zeros(len(rows), length, dtype=torch.long),
+               "loss_mask": torch.zeros(len(rows), length, dtype=torch.long)}
+        features = torch.zeros(len(rows), length, rows[0]["features"].shape[-1], dtype=rows[0]["features"].dtype)
+        last = torch.zeros(len(rows), length, rows[0]["last"].shape[-1], dtype=rows[0]["last"].dtype)
+        for b, r in enumerate(rows):
+            n = r["ids"].numel()
+            out["input_ids"][b, :n], out["attention_mask"][b, :n] = r["ids"], 1
+            out["loss_mask"][b, :n] = r["mask"].long()
+            features[b, :n], last[b, :n] = r["features"], r["last"]
+        weight = lm_head.weight
+        with torch.no_grad():
+            logits = lm_head(last.to(device=weight.device, dtype=weight.dtype))
+            if self.softcap:  # Gemma-2 style final logit soft-capping, as the target's forward applies it
+                logits = torch.tanh(logits / self.softcap) * self.softcap
+            out["logits"] = logits
+        out["features"] = features.to(device=weight.device, dtype=weight.dtype)
+        return out
