@@ -1,0 +1,582 @@
+"""Export heads to the layouts serving engines load, validate those folders, and import published heads back.
+
+Formats (REFERENCE section 3): `sglang` (EAGLE-3, LlamaForCausalLMEagle3), `speculators` (vLLM speculators
+EAGLE-3), `eagle1` (EAGLE-1 official), `medusa` (FasterDecoding original) and `medusa-vllm`. Engines drop
+unknown keys SILENTLY, so every export is validated (keys, shapes, vocab maps, taps) before it is published.
+
+Tap ids. Ours are "output of decoder layer i" (heads/features.py). What engines read:
+- SGLang reads `eagle_config.eagle_aux_hidden_state_layer_ids` from the draft config and calls
+  `set_eagle3_layers_to_capture(ids)`, which stores `layers_to_capture = [i + 1 for i in ids]` ("for the ith
+  layer, it takes the output of the (i-1)th layer") and captures the residual stream ENTERING layer j: the ids
+  are in the OUTPUT-of-layer convention, i.e. ours (sglang python/sglang/srt/models/llama.py and
+  model_executor/model_runner.py).
+- vLLM reads a top-level `eagle_aux_hidden_state_layer_ids` (vllm/v1/worker/gpu/spec_decode/eagle/
+  eagle3_utils.py: get_eagle3_aux_layers_from_config) and passes it unchanged to `set_aux_hidden_state_layers`;
+  its LlamaModel appends `hidden_states + residual` BEFORE running layer idx: INPUT-to-layer, ours + 1 (its
+  default (2, N/2, N-3) is EAGLE-3's (1, N/2-1, N-4) in our convention). The speculators export writes ours + 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from heads.eagle import EagleConfig, EagleHead
+from heads.features import from_input_convention, to_input_convention
+from heads.io import CONFIG_NAME, WEIGHTS_NAME, check_head_matches_target, load_heads
+from heads.medusa import MedusaConfig, MedusaHeads
+
+FORMATS = ("sglang", "speculators", "eagle1", "medusa", "medusa-vllm")
+HEAD_TYPE = {
+    "sglang": "eagle3",
+    "speculators": "eagle3",
+    "eagle1": "eagle1",
+    "medusa": "medusa",
+    "medusa-vllm": "medusa",
+}
+MEDUSA_WEIGHTS_NAME = "medusa_lm_head.safetensors"
+FILES = {fmt: (CONFIG_NAME, MEDUSA_WEIGHTS_NAME if fmt == "medusa" else WEIGHTS_NAME) for fmt in FORMATS}
+# the tap id convention each EAGLE-3 format's config uses (see the module docstring for the sources)
+TAP_CONVENTION = {"sglang": "output", "speculators": "input"}
+_LAYER_KEYS = (
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+    "post_attention_layernorm.weight",
+)
+_EAGLE3_LAYER_KEYS = (*_LAYER_KEYS, "input_layernorm.weight", "hidden_norm.weight")
+Head = MedusaHeads | EagleHead
+
+
+def _check_format(fmt: str) -> None:
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown export format {fmt!r}; valid formats: {', '.join(FORMATS)}")
+
+
+# ---------------------------------------------------------------------------------------------- state dicts
+def _rename(state: dict[str, Tensor], old: str, new: str) -> dict[str, Tensor]:
+    return {(new + k[len(old) :] if k.startswith(old) else k): v for k, v in state.items()}
+
+
+def _to_format_state(
+    head: Head, fmt: str, embed_weight: Tensor | None, lm_head_weight: Tensor | None
+) -> dict:
+    """Our state dict renamed to the format's keys (plus the target tensors the format needs)."""
+    state = {k: v.detach().contiguous().clone() for k, v in head.state_dict().items()}
+    if fmt == "sglang":
+        return state
+    if fmt == "speculators":
+        state = _rename(state, "midlayer.", "layers.0.")
+        state["embed_tokens.weight"] = embed_weight.detach().contiguous().clone()
+        return state
+    if fmt == "eagle1":
+        return _rename(state, "midlayer.", "layers.0.")
+    out = {}
+    config = head.config
+    for h in range(config.num_heads):
+        for layer in range(config.num_layers):
+            for part in ("weight", "bias"):
+                tensor = state[f"blocks.{h}.{layer}.linear.{part}"]
+                key = f"{h}.{layer}.linear.{part}" if fmt == "medusa" else f"blocks.{h}.layers.{layer}.{part}"
+                out[key] = tensor
+        proj = state[f"lm_heads.{h}.weight"] if head.lm_heads is not None else lm_head_weight.detach().clone()
+        out[f"{h}.{config.num_layers}.weight" if fmt == "medusa" else f"lm_heads.{h}.weight"] = (
+            proj.contiguous()
+        )
+    return out
+
+
+def _from_format_state(state: dict[str, Tensor], fmt: str, num_heads: int = 0, num_layers: int = 0) -> dict:
+    """A format's state dict renamed to our keys (target-owned tensors dropped)."""
+    if fmt == "sglang":
+        return dict(state)
+    if fmt in ("speculators", "eagle1"):
+        state = {k: v for k, v in state.items() if k != "embed_tokens.weight"}
+        return _rename(state, "layers.0.", "midlayer.")
+    out = {}
+    for h in range(num_heads):
+        for layer in range(num_layers):
+            for part in ("weight", "bias"):
+                key = f"{h}.{layer}.linear.{part}" if fmt == "medusa" else f"blocks.{h}.layers.{layer}.{part}"
+                out[f"blocks.{h}.{layer}.linear.{part}"] = state[key]
+        out[f"lm_heads.{h}.weight"] = state[
+            f"{h}.{num_layers}.weight" if fmt == "medusa" else f"lm_heads.{h}.weight"
+        ]
+    return out
+
+
+# -------------------------------------------------------------------------------------------------- configs
+def _llama_dict(config: EagleConfig) -> dict:
+    """Llama config of the draft layer, with rope_theta spelled out for transformers-4.x readers."""
+    llama = config.llama_config().to_dict()
+    for key in (
+        "_attn_implementation",
+        "_attn_implementation_autoset",
+        "transformers_version",
+        "architectures",
+        "dtype",
+        "torch_dtype",
+        "_name_or_path",  # PretrainedConfig bookkeeping below: noise in a published config
+        "id2label",
+        "label2id",
+        "problem_type",
+        "is_encoder_decoder",
+        "output_attentions",
+        "output_hidden_states",
+        "return_dict",
+        "use_cache",
+    ):
+        llama.pop(key, None)
+    llama.update(
+        num_hidden_layers=1,
+        tie_word_embeddings=False,
+        rope_theta=config.rope_parameters["rope_theta"],
+        torch_dtype="float32",
+    )
+    return llama
+
+
+def _format_config(
+    head: Head,
+    fmt: str,
+    *,
+    base_model: str | None,
+    verifier_architectures: list[str],
+    num_speculative_tokens: int,
+) -> dict:
+    c = head.config
+    meta = {"head_type": head.head_type, "format": fmt, "exporter": "selfspec"}
+    if fmt == "medusa":
+        return {
+            "medusa_num_heads": c.num_heads,
+            "medusa_num_layers": c.num_layers,
+            "base_model_name_or_path": base_model,
+            "hidden_size": c.hidden_size,
+            "vocab_size": c.vocab_size,
+            "selfspec": meta,
+        }
+    if fmt == "medusa-vllm":
+        return {
+            "model_type": "medusa",
+            "architectures": ["MedusaModel"],
+            "hidden_size": c.hidden_size,
+            "vocab_size": c.vocab_size,
+            "truncated_vocab_size": c.vocab_size,
+            "num_heads": c.num_heads,
+            "num_hidden_layers": c.num_layers,
+            "medusa_fc_bias": True,
+            "base_model_name_or_path": base_model,
+            "selfspec": meta,
+        }
+    llama = _llama_dict(c)
+    if fmt == "eagle1":
+        return {**llama, "architectures": ["LlamaForCausalLM"], "bias": c.fc_bias, "selfspec": meta}
+    ids = list(c.aux_layer_ids)
+    meta["aux_layer_ids_convention"] = TAP_CONVENTION[fmt]
+    if fmt == "sglang":
+        out = {
+            **llama,
+            "architectures": ["LlamaForCausalLMEagle3"],
+            "draft_vocab_size": c.draft_vocab_size,
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
+            "selfspec": meta,
+        }
+        if c.target_hidden_size != c.hidden_size:
+            out["target_hidden_size"] = c.target_hidden_size
+        return out
+    input_ids = to_input_convention(ids)
+    return {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": "0.9.0",
+        "transformer_layer_config": {**llama, "architectures": ["LlamaForCausalLM"], "model_type": "llama"},
+        "draft_vocab_size": c.draft_vocab_size,
+        "target_hidden_size": c.target_hidden_size,
+        "norm_before_residual": False,  # ours adds the residual of the raw fused feature (heads/eagle.py)
+        "eagle_aux_hidden_state_layer_ids": input_ids,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": num_speculative_tokens,
+                    "verifier_accept_k": 1,
+                    "accept_tolerance": 0.0,
+                }
+            ],
+            "verifier": {"name_or_path": base_model, "architectures": verifier_architectures},
+        },
+        "selfspec": meta,
+    }
+
+
+# --------------------------------------------------------------------------------------------------- export
+def _target_tensors(target) -> tuple[Tensor | None, Tensor | None, object]:
+    """(embedding, lm_head weight, config) of a target model, or of an HF folder/hub id (loaded on CPU)."""
+    if target is None:
+        return None, None, None
+    if isinstance(target, (str, Path)):
+        from transformers import AutoModelForCausalLM
+
+        target = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32)
+    return (target.get_input_embeddings().weight, target.get_output_embeddings().weight, target.config)
+
+
+def export_head(
+    head_dir_or_module: str | Path | Head,
+    fmt: str,
+    out_dir: str | Path,
+    *,
+    target=None,
+    target_config=None,
+    verifier_name: str | None = None,
+    num_speculative_tokens: int = 3,
+) -> list[Path]:
+    """Write `head` in format `fmt` to `out_dir`, validated; an incomplete export is never left behind.
+
+    Args:
+        head_dir_or_module: a head module, or a folder written by `heads.io.save_heads`.
+        fmt: one of FORMATS.
+        out_dir: the export folder (must not exist, or be empty).
+        target: the target model or its HF folder / hub id; required by `speculators` (its embedding is
+            shipped) and by `medusa`/`medusa-vllm` heads that share the target's lm_head.
+        target_config: the target's HF config (checks sizes; gives the verifier's architectures).
+        verifier_name: the target's hub id or path written into the config; default: the head's base_model.
+        num_speculative_tokens: `speculators` only: draft tokens per step the proposal method advertises.
+    Returns:
+        The files written.
+    """
+    _check_format(fmt)
+    base_model = None
+    if isinstance(head_dir_or_module, (str, Path)):
+        base_model = json.loads((Path(head_dir_or_module) / CONFIG_NAME).read_text()).get("base_model")
+        head = load_heads(head_dir_or_module)
+    else:
+        head = head_dir_or_module
+    base_model = verifier_name or base_model or (str(target) if isinstance(target, (str, Path)) else None)
+    if HEAD_TYPE[fmt] != head.head_type:
+        hint = (
+            " (an EAGLE-3 head served as EAGLE-1 drafts garbage: acceptance length 1.0, no error)"
+            if head.head_type == "eagle3" and fmt == "eagle1"
+            else ""
+        )
+        raise ValueError(
+            f"format {fmt!r} holds {HEAD_TYPE[fmt]} heads, but this head is {head.head_type}{hint}; "
+            f"formats for {head.head_type}: {[f for f in FORMATS if HEAD_TYPE[f] == head.head_type]}"
+        )
+    if head.head_type == "eagle3" and head.config.fc_bias:
+        raise ValueError(
+            f"{fmt} builds the EAGLE-3 fc without a bias: this head's fc.bias would be dropped silently"
+        )
+    embed, lm_head, loaded_config = _target_tensors(target)
+    target_config = target_config or loaded_config
+    if target_config is not None:
+        check_head_matches_target(
+            {"head_config": head.config.to_dict()}, target_config, where=f"{head.head_type} head"
+        )
+    if fmt == "speculators" and embed is None:
+        raise ValueError(
+            "the speculators format ships the target's embed_tokens: pass target= (model or path)"
+        )
+    if fmt in ("medusa", "medusa-vllm") and head.lm_heads is None and lm_head is None:
+        raise ValueError(f"{fmt} stores one lm_head per head; these heads share the target's: pass target=")
+    architectures = list(getattr(target_config, "architectures", None) or ["LlamaForCausalLM"])
+    config = _format_config(
+        head,
+        fmt,
+        base_model=base_model,
+        verifier_architectures=architectures,
+        num_speculative_tokens=num_speculative_tokens,
+    )
+    state = _to_format_state(head, fmt, embed, lm_head)
+
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise FileExistsError(f"{out_dir} exists and is not empty; export into a new folder")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp"))
+    try:
+        config_file, weights_file = FILES[fmt]
+        (staging / config_file).write_text(json.dumps(config, indent=2) + "\n")
+        save_file(state, staging / weights_file, metadata={"format": "pt"})
+        validate_export(staging, fmt)
+        if out_dir.exists():
+            out_dir.rmdir()
+        os.replace(staging, out_dir)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)
+    return [out_dir / name for name in FILES[fmt]]
+
+
+# ------------------------------------------------------------------------------------------------ validation
+def _eagle_expected_shapes(
+    config: dict, fmt: str, errors: list[str], state_keys
+) -> dict[str, tuple[int, ...]]:
+    """Key -> shape an EAGLE export must hold, from its config; config problems go to `errors`."""
+    layer = config.get("transformer_layer_config", config) if fmt == "speculators" else config
+    need = ["hidden_size", "intermediate_size", "num_attention_heads", "vocab_size"]
+    missing = [k for k in need if k not in layer]
+    if missing:
+        errors.append(f"config lacks {missing}")
+        return {}
+    h, inter, v = layer["hidden_size"], layer["intermediate_size"], layer["vocab_size"]
+    heads = layer["num_attention_heads"]
+    kv = layer.get("num_key_value_heads") or heads
+    head_dim = layer.get("head_dim") or h // heads
+    if layer.get("num_hidden_layers") != 1:
+        errors.append(f"num_hidden_layers must be 1, got {layer.get('num_hidden_layers')!r}")
+    prefix = "layers.0." if fmt in ("speculators", "eagle1") else "midlayer."
+    attn_in = h if fmt == "eagle1" else 2 * h
+    shapes = {
+        "self_attn.q_proj.weight": (heads * head_dim, attn_in),
+        "self_attn.k_proj.weight": (kv * head_dim, attn_in),
+        "self_attn.v_proj.weight": (kv * head_dim, attn_in),
+        "self_attn.o_proj.weight": (h, heads * head_dim),
+        "mlp.gate_proj.weight": (inter, h),
+        "mlp.up_proj.weight": (inter, h),
+        "mlp.down_proj.weight": (h, inter),
+        "post_attention_layernorm.weight": (h,),
+        "input_layernorm.weight": (h,),
+        "hidden_norm.weight": (h,),
+    }
+    keys = _LAYER_KEYS if fmt == "eagle1" else _EAGLE3_LAYER_KEYS
+    expected = {prefix + k: shapes[k] for k in keys}
+    if fmt == "eagle1":
+        expected["fc.weight"] = (h, 2 * h)
+        if config.get("bias") or "fc.bias" in state_keys:  # old official checkpoints carry it unannounced
+            expected["fc.bias"] = (h,)
+        return expected
+    vd = config.get("draft_vocab_size")
+    if vd is None:
+        errors.append(
+            "config lacks draft_vocab_size (engines then assume the full vocabulary and misread lm_head)"
+        )
+        vd = -1
+    ht = config.get("target_hidden_size")
+    if ht is None:
+        if fmt == "speculators":
+            errors.append("config lacks target_hidden_size")
+        ht = h
+    if fmt == "sglang":
+        ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    else:
+        ids = config.get("eagle_aux_hidden_state_layer_ids")
+    convention = (config.get("selfspec") or {}).get("aux_layer_ids_convention")
+    if not ids:
+        errors.append("config lacks the tap ids (eagle_aux_hidden_state_layer_ids)")
+        ids = []
+    if convention is not None and convention != TAP_CONVENTION[fmt]:
+        errors.append(
+            f"tap ids are in the {convention!r}-of-layer convention, {fmt} expects {TAP_CONVENTION[fmt]!r}"
+        )
+    if fmt == "speculators":
+        spec = config.get("speculators_config") or {}
+        if config.get("speculators_model_type") != "eagle3":
+            errors.append(
+                f"speculators_model_type must be 'eagle3', got {config.get('speculators_model_type')!r}"
+            )
+        if spec.get("algorithm") != "eagle3" or not spec.get("proposal_methods") or "verifier" not in spec:
+            errors.append("speculators_config needs algorithm 'eagle3', proposal_methods and verifier")
+        expected["embed_tokens.weight"] = (v, h)
+    expected.update(
+        {
+            "fc.weight": (h, len(ids) * ht),
+            "norm.weight": (h,),
+            "lm_head.weight": (vd, h),
+            "d2t": (vd,),
+            "t2d": (v,),
+        }
+    )
+    return expected
+
+
+def _medusa_expected_shapes(config: dict, fmt: str, errors: list[str]) -> dict[str, tuple[int, ...]]:
+    names = (
+        ("medusa_num_heads", "medusa_num_layers") if fmt == "medusa" else ("num_heads", "num_hidden_layers")
+    )
+    missing = [k for k in (*names, "hidden_size", "vocab_size") if k not in config]
+    if fmt == "medusa-vllm":
+        if config.get("model_type") != "medusa":
+            errors.append(f"model_type must be 'medusa', got {config.get('model_type')!r}")
+        if config.get("medusa_fc_bias") is not True:
+            errors.append("medusa_fc_bias must be true (vLLM drops the ResBlock biases otherwise)")
+    if missing:
+        errors.append(f"config lacks {missing}")
+        return {}
+    k, n, h, v = config[names[0]], config[names[1]], config["hidden_size"], config["vocab_size"]
+    out = {}
+    for i in range(k):
+        for j in range(n):
+            base = f"{i}.{j}.linear." if fmt == "medusa" else f"blocks.{i}.layers.{j}."
+            out[base + "weight"], out[base + "bias"] = (h, h), (h,)
+        out[f"{i}.{n}.weight" if fmt == "medusa" else f"lm_heads.{i}.weight"] = (v, h)
+    return out
+
+
+def validate_export(out_dir: str | Path, fmt: str) -> None:
+    """Raise ValueError listing EVERYTHING missing or wrong in an export folder of format `fmt`.
+
+    Checks the file list, the config fields engines need, every weight key and shape (unexpected keys too:
+    engines drop them silently), fc width = taps x target hidden size, and d2t/t2d consistency.
+    """
+    _check_format(fmt)
+    out_dir = Path(out_dir)
+    config_file, weights_file = FILES[fmt]
+    errors = []
+    present = sorted(p.name for p in out_dir.iterdir()) if out_dir.is_dir() else []
+    if present != sorted(FILES[fmt]):
+        errors.append(f"files {present}, expected exactly {sorted(FILES[fmt])}")
+    try:
+        config = json.loads((out_dir / config_file).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"{out_dir} is not a valid {fmt} export: unreadable {config_file} ({err})") from err
+    try:
+        state = load_file(out_dir / weights_file)
+    except Exception as err:  # safetensors raises several types for missing/corrupt files
+        raise ValueError(f"{out_dir} is not a valid {fmt} export: unreadable {weights_file} ({err})") from err
+    if HEAD_TYPE[fmt] == "medusa":
+        expected = _medusa_expected_shapes(config, fmt, errors)
+    else:
+        expected = _eagle_expected_shapes(config, fmt, errors, set(state))
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing:
+        errors.append(f"missing tensors {missing}")
+    if unexpected and expected:
+        errors.append(f"unexpected tensors {unexpected} (engines drop unknown keys silently)")
+    for key in sorted(set(expected) & set(state)):
+        if tuple(state[key].shape) != expected[key]:
+            errors.append(f"{key} has shape {tuple(state[key].shape)}, expected {expected[key]}")
+    if "d2t" in state and "t2d" in state and "d2t" not in missing:
+        d2t, t2d = state["d2t"], state["t2d"]
+        if d2t.dtype != torch.int64 or t2d.dtype != torch.bool:
+            errors.append(f"d2t must be int64 and t2d bool, got {d2t.dtype} and {t2d.dtype}")
+        elif d2t.dim() == 1 and t2d.dim() == 1:
+            mapped = d2t + torch.arange(d2t.numel())
+            hits = t2d.nonzero().flatten()
+            if hits.numel() != mapped.numel() or not torch.equal(hits, mapped):
+                errors.append("d2t and t2d disagree: nonzero(t2d) != d2t + arange(Vd)")
+    if errors:
+        raise ValueError(f"{out_dir} is not a valid {fmt} export:\n  - " + "\n  - ".join(errors))
+
+
+# --------------------------------------------------------------------------------------------------- import
+def detect_format(path: str | Path) -> str:
+    """The format of an export folder, from its config."""
+    path = Path(path)
+    if (path / MEDUSA_WEIGHTS_NAME).is_file():
+        return "medusa"
+    config = json.loads((path / CONFIG_NAME).read_text())
+    if "medusa_num_heads" in config:
+        return "medusa"
+    if config.get("model_type") == "medusa":
+        return "medusa-vllm"
+    if config.get("speculators_model_type") == "eagle3":
+        return "speculators"
+    if "LlamaForCausalLMEagle3" in (config.get("architectures") or []) or "eagle_config" in config:
+        return "sglang"
+    if config.get("num_hidden_layers") == 1 and "speculators_model_type" not in config:
+        return "eagle1"
+    raise ValueError(
+        f"{path}: cannot tell the export format from {CONFIG_NAME}; pass fmt= (one of {FORMATS})"
+    )
+
+
+def _rope_parameters(layer: dict) -> dict:
+    rope = dict(layer.get("rope_parameters") or layer.get("rope_scaling") or {})
+    rope.setdefault("rope_type", rope.pop("type", "default"))
+    rope.setdefault("rope_theta", layer.get("rope_theta", 10000.0))
+    return rope
+
+
+def _eagle_config(config: dict, fmt: str) -> EagleConfig:
+    layer = config.get("transformer_layer_config", config) if fmt == "speculators" else config
+    fields = {
+        "head_type": HEAD_TYPE[fmt],
+        "hidden_size": layer["hidden_size"],
+        "num_attention_heads": layer["num_attention_heads"],
+        "num_key_value_heads": layer.get("num_key_value_heads") or layer["num_attention_heads"],
+        "head_dim": layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"],
+        "intermediate_size": layer["intermediate_size"],
+        "vocab_size": layer["vocab_size"],
+        "rms_norm_eps": layer.get("rms_norm_eps", 1e-6),
+        "hidden_act": layer.get("hidden_act", "silu"),
+        "max_position_embeddings": layer.get("max_position_embeddings", 8192),
+        "rope_parameters": _rope_parameters(layer),
+        "attention_bias": layer.get("attention_bias", False),
+    }
+    if fmt == "eagle1":
+        return EagleConfig(**fields, fc_bias=bool(config.get("bias", False)))
+    unsupported = [
+        k for k in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output") if config.get(k)
+    ]
+    if (
+        unsupported
+    ):  # variants our EagleHead does not implement: loading them would draft differently, silently
+        raise ValueError(f"this {fmt} head sets {unsupported}, which selfspec's EagleHead does not implement")
+    if fmt == "sglang":
+        ids = list(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+    else:
+        ids = from_input_convention(config["eagle_aux_hidden_state_layer_ids"])
+    return EagleConfig(
+        **fields,
+        aux_layer_ids=tuple(ids),
+        draft_vocab_size=config["draft_vocab_size"],
+        target_hidden_size=config.get("target_hidden_size") or layer["hidden_size"],
+    )
+
+
+def import_head(path: str | Path, fmt: str | None = None, target=None) -> Head:
+    """Load an exported / published head folder into our MedusaHeads or EagleHead (eval mode, CPU).
+
+    Args:
+        path: the folder (config.json + weights of one of FORMATS).
+        fmt: its format; None detects it from the config.
+        target: the target model or its config; when given, the head's sizes and taps are checked against it.
+    Returns:
+        The head, ready for `decode.generate`.
+    """
+    path = Path(path)
+    fmt = fmt or detect_format(path)
+    _check_format(fmt)
+    validate_export(path, fmt)
+    config_file, weights_file = FILES[fmt]
+    config = json.loads((path / config_file).read_text())
+    state = load_file(path / weights_file)
+    if fmt == "eagle1" and "fc.bias" in state:
+        config["bias"] = True
+    if HEAD_TYPE[fmt] == "medusa":
+        k, n = (
+            (config["medusa_num_heads"], config["medusa_num_layers"])
+            if fmt == "medusa"
+            else (config["num_heads"], config["num_hidden_layers"])
+        )
+        head = MedusaHeads(
+            MedusaConfig(
+                hidden_size=config["hidden_size"], vocab_size=config["vocab_size"], num_heads=k, num_layers=n
+            )
+        )
+        ours = _from_format_state(state, fmt, k, n)
+    else:
+        head = EagleHead(_eagle_config(config, fmt))
+        ours = _from_format_state(state, fmt)
+    if target is not None:
+        check_head_matches_target({"head_config": head.config.to_dict()}, target, where=f"{fmt} head {path}")
+    head.load_state_dict(ours, strict=True)
+    return head.eval()
+
+
+__all__ = ["FILES", "FORMATS", "detect_format", "export_head", "import_head", "validate_export"]

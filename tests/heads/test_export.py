@@ -1,0 +1,311 @@
+"""Tests for heads/export.py: every format round-trips exactly, validators list every defect, mismatches refuse."""
+
+import json
+import runpy
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from decode.generate import generate
+from heads.eagle import EagleConfig, EagleHead
+from heads.export import FILES, FORMATS, export_head, import_head, validate_export
+from heads.io import save_heads
+from heads.medusa import MedusaConfig, MedusaHeads
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "export.py"
+PROMPT = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(1))
+CASES = [
+    ("medusa", "medusa"),
+    ("medusa", "medusa-vllm"),
+    ("eagle1", "eagle1"),
+    ("eagle1_bias", "eagle1"),
+    ("eagle3", "sglang"),
+    ("eagle3", "speculators"),
+]
+EXPECTED_FILES = {
+    "sglang": ["config.json", "model.safetensors"],
+    "speculators": ["config.json", "model.safetensors"],
+    "eagle1": ["config.json", "model.safetensors"],
+    "medusa": ["config.json", "medusa_lm_head.safetensors"],
+    "medusa-vllm": ["config.json", "model.safetensors"],
+}
+
+
+@pytest.fixture
+def llama(build_target):
+    return build_target("llama")
+
+
+def make_head(kind: str, target, **overrides):
+    """A head with no default-valued tensors, so a round trip that drops or zeroes any of them shows."""
+    torch.manual_seed(0)
+    if kind.startswith("medusa"):
+        head = MedusaHeads(
+            MedusaConfig(
+                hidden_size=target.config.hidden_size,
+                vocab_size=target.config.vocab_size,
+                num_heads=3,
+                num_layers=2,
+                **overrides,
+            )
+        )
+    else:
+        head_type = kind.removesuffix("_bias")
+        extra = {"draft_vocab_size": 64} if head_type == "eagle3" else {}
+        overrides = {"fc_bias": kind.endswith("_bias"), **extra, **overrides}
+        head = EagleHead(EagleConfig.from_target(target.config, head_type, **overrides))
+        if head_type == "eagle3":
+            head.set_draft_vocab(torch.randperm(target.config.vocab_size)[:64])
+    with torch.no_grad():
+        for param in head.parameters():
+            param.copy_(torch.randn_like(param) * (0.05 if param.dim() > 1 else 1.0) + (param.dim() == 1))
+    return head.eval()
+
+
+def _decode(target, head):
+    out = generate(target, PROMPT, head, max_new_tokens=16)
+    return out.sequences.tolist(), out.tau, out.accepted_per_depth
+
+
+@pytest.mark.parametrize(("kind", "fmt"), CASES)
+def test_round_trip_is_exact(tmp_path, llama, kind, fmt):
+    head = make_head(kind, llama)
+    files = export_head(head, fmt, tmp_path / "out", target=llama, verifier_name="org/tiny-llama")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == EXPECTED_FILES[fmt]
+    assert [p.name for p in files] == list(FILES[fmt])
+    back = import_head(tmp_path / "out", target=llama)  # format auto-detected
+    assert type(back) is type(head) and back.head_type == head.head_type
+    assert back.config.to_dict() == head.config.to_dict()
+    ours, theirs = head.state_dict(), back.state_dict()
+    assert ours.keys() == theirs.keys()
+    for key in ours:
+        assert ours[key].dtype == theirs[key].dtype and torch.equal(ours[key], theirs[key]), key
+    assert _decode(llama, back) == _decode(llama, head)
+
+
+def test_speculators_export_ships_target_embedding_and_input_convention_taps(tmp_path, llama):
+    head = make_head("eagle3", llama)
+    export_head(head, "speculators", tmp_path / "out", target=llama, verifier_name="org/tiny-llama")
+    state = load_file(tmp_path / "out" / "model.safetensors")
+    assert torch.equal(state["embed_tokens.weight"], llama.get_input_embeddings().weight)
+    assert not any(k.startswith("midlayer.") for k in state)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in head.config.aux_layer_ids]
+    spec = config["speculators_config"]
+    assert spec["algorithm"] == "eagle3" and spec["default_proposal_method"] == "greedy"
+    assert spec["proposal_methods"][0]["proposal_type"] == "greedy"
+    assert spec["verifier"] == {"name_or_path": "org/tiny-llama", "architectures": ["LlamaForCausalLM"]}
+    assert config["transformer_layer_config"]["num_hidden_layers"] == 1
+
+
+def test_sglang_config_uses_output_convention_and_no_embedding(tmp_path, llama):
+    head = make_head("eagle3", llama)
+    export_head(head, "sglang", tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["num_hidden_layers"] == 1
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == list(head.config.aux_layer_ids)
+    assert config["draft_vocab_size"] == 64 and "target_hidden_size" not in config
+    state = load_file(tmp_path / "out" / "model.safetensors")
+    assert "embed_tokens.weight" not in state and state["fc.weight"].shape == (32, 3 * 32)
+
+
+def test_sglang_writes_target_hidden_size_when_it_differs(tmp_path, llama):
+    head = make_head("eagle3", llama, target_hidden_size=48)
+    export_head(head, "sglang", tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["target_hidden_size"] == 48
+    back = import_head(tmp_path / "out")
+    assert back.fc.weight.shape == (32, 3 * 48) and torch.equal(back.fc.weight, head.fc.weight)
+
+
+def test_export_from_head_folder_and_cli(tmp_path, llama, capsys):
+    main = runpy.run_path(str(SCRIPT))["main"]  # scripts/ is not a package; nothing runs at import time
+    head = make_head("medusa", llama)
+    save_heads(head, tmp_path / "head", base_model="org/tiny-llama", target=llama)
+    main([str(tmp_path / "head"), "--to", "medusa", "--out", str(tmp_path / "out")])
+    printed = capsys.readouterr().out
+    assert "medusa_lm_head.safetensors" in printed and "bytes" in printed
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["base_model_name_or_path"] == "org/tiny-llama"
+    assert config["medusa_num_heads"] == 3 and config["medusa_num_layers"] == 2
+    keys = set(load_file(tmp_path / "out" / "medusa_lm_head.safetensors"))
+    assert {"0.0.linear.weight", "0.1.linear.bias", "2.2.weight"} <= keys and len(keys) == 3 * (2 * 2 + 1)
+
+
+def test_shared_lm_head_medusa_exports_the_target_projection(tmp_path, llama):
+    head = make_head("medusa", llama, share_lm_head=True)
+    with pytest.raises(ValueError, match="pass target="):
+        export_head(head, "medusa-vllm", tmp_path / "refused")
+    export_head(head, "medusa-vllm", tmp_path / "out", target=llama)
+    back = import_head(tmp_path / "out")
+    assert torch.equal(back.lm_heads[1].weight, llama.lm_head.weight)
+    assert _decode(llama, back) == _decode(llama, head)
+
+
+def test_old_eagle1_checkpoint_with_unannounced_bias_imports_with_bias(tmp_path, llama):
+    head = make_head("eagle1_bias", llama)
+    export_head(head, "eagle1", tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    del config["bias"]
+    (tmp_path / "out" / "config.json").write_text(json.dumps(config))
+    back = import_head(tmp_path / "out", fmt="eagle1")
+    assert back.config.fc_bias and torch.equal(back.fc.bias, head.fc.bias)
+
+
+# ---------------------------------------------------------------------------------------------- validators
+@pytest.fixture
+def sglang_export(tmp_path, llama) -> Path:
+    export_head(make_head("eagle3", llama), "sglang", tmp_path / "out")
+    return tmp_path / "out"
+
+
+def _edit_weights(path: Path, edit) -> None:
+    state = load_file(path / "model.safetensors")
+    edit(state)
+    save_file(state, path / "model.safetensors")
+
+
+def _edit_config(path: Path, edit) -> None:
+    config = json.loads((path / "config.json").read_text())
+    edit(config)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def test_validator_catches_missing_d2t(sglang_export):
+    _edit_weights(sglang_export, lambda s: s.pop("d2t"))
+    with pytest.raises(ValueError, match=r"missing tensors \['d2t'\]"):
+        validate_export(sglang_export, "sglang")
+
+
+def test_validator_catches_wrong_fc_width(sglang_export):
+    _edit_weights(sglang_export, lambda s: s.update({"fc.weight": torch.zeros(32, 64)}))
+    with pytest.raises(ValueError, match=r"fc.weight has shape \(32, 64\), expected \(32, 96\)"):
+        validate_export(sglang_export, "sglang")
+
+
+def test_validator_catches_inconsistent_t2d(sglang_export):
+    def flip(state):
+        t2d = state["t2d"].clone()
+        first_on, first_off = t2d.nonzero()[0], (~t2d).nonzero()[0]
+        t2d[first_on], t2d[first_off] = False, True
+        state["t2d"] = t2d
+
+    _edit_weights(sglang_export, flip)
+    with pytest.raises(ValueError, match=r"nonzero\(t2d\) != d2t \+ arange"):
+        validate_export(sglang_export, "sglang")
+
+
+def test_validator_catches_missing_draft_vocab_size(sglang_export):
+    _edit_config(sglang_export, lambda c: c.pop("draft_vocab_size"))
+    with pytest.raises(ValueError, match="lacks draft_vocab_size"):
+        validate_export(sglang_export, "sglang")
+
+
+def test_validator_lists_every_problem_at_once(sglang_export):
+    _edit_config(
+        sglang_export,
+        lambda c: (c.pop("draft_vocab_size"), c["eagle_config"].pop("eagle_aux_hidden_state_layer_ids")),
+    )
+    _edit_weights(sglang_export, lambda s: (s.pop("d2t"), s.update({"extra.weight": torch.zeros(1)})))
+    (sglang_export / "notes.txt").write_text("x")
+    with pytest.raises(ValueError) as err:
+        validate_export(sglang_export, "sglang")
+    message = str(err.value)
+    for part in ("draft_vocab_size", "tap ids", "missing tensors", "'d2t'", "extra.weight", "notes.txt"):
+        assert part in message, part
+
+
+def test_validator_catches_wrong_tap_convention_and_speculators_fields(tmp_path, llama):
+    export_head(make_head("eagle3", llama), "speculators", tmp_path / "out", target=llama)
+    _edit_config(
+        tmp_path / "out",
+        lambda c: (
+            c["selfspec"].update(aux_layer_ids_convention="output"),
+            c.pop("target_hidden_size"),
+            c.pop("speculators_model_type"),
+        ),
+    )
+    with pytest.raises(ValueError) as err:
+        validate_export(tmp_path / "out", "speculators")
+    for part in ("convention", "target_hidden_size", "speculators_model_type"):
+        assert part in str(err.value), part
+
+
+def test_validator_checks_medusa_vllm_bias_flag(tmp_path, llama):
+    export_head(make_head("medusa", llama), "medusa-vllm", tmp_path / "out")
+    _edit_config(tmp_path / "out", lambda c: c.update(medusa_fc_bias=False))
+    with pytest.raises(ValueError, match="medusa_fc_bias must be true"):
+        validate_export(tmp_path / "out", "medusa-vllm")
+
+
+# ------------------------------------------------------------------------------------------------ refusals
+@pytest.mark.parametrize(
+    ("kind", "fmt", "message"),
+    [
+        ("eagle1", "sglang", "holds eagle3 heads, but this head is eagle1"),
+        ("eagle3", "eagle1", "acceptance length 1.0"),
+        ("medusa", "speculators", "holds eagle3 heads, but this head is medusa"),
+        ("eagle3", "medusa", "holds medusa heads, but this head is eagle3"),
+    ],
+)
+def test_head_format_mismatch_is_refused(tmp_path, llama, kind, fmt, message):
+    with pytest.raises(ValueError, match=message):
+        export_head(make_head(kind, llama), fmt, tmp_path / "out", target=llama)
+    assert not (tmp_path / "out").exists()
+
+
+def test_eagle3_fc_bias_is_refused(tmp_path, llama):
+    with pytest.raises(ValueError, match="fc.bias would be dropped silently"):
+        export_head(make_head("eagle3", llama, fc_bias=True), "sglang", tmp_path / "out")
+
+
+def test_unknown_format_lists_the_valid_ones(tmp_path, llama):
+    for call in (
+        lambda: export_head(make_head("medusa", llama), "onnx", tmp_path / "out"),
+        lambda: validate_export(tmp_path, "onnx"),
+        lambda: import_head(tmp_path, fmt="onnx"),
+    ):
+        with pytest.raises(
+            ValueError, match="unknown export format 'onnx'; valid formats: " + ", ".join(FORMATS)
+        ):
+            call()
+
+
+def test_speculators_needs_the_target_embedding(tmp_path, llama):
+    with pytest.raises(ValueError, match="embed_tokens"):
+        export_head(make_head("eagle3", llama), "speculators", tmp_path / "out")
+
+
+def test_head_for_another_target_is_refused(tmp_path, llama, build_target):
+    other = build_target("llama", hidden_size=48)
+    with pytest.raises(ValueError, match="hidden_size"):
+        export_head(make_head("eagle1", llama), "eagle1", tmp_path / "out", target_config=other.config)
+
+
+def test_failed_validation_leaves_nothing(tmp_path, llama, monkeypatch):
+    import heads.export
+
+    def broken(*_args):
+        raise ValueError("simulated validation failure")
+
+    monkeypatch.setattr(heads.export, "validate_export", broken)
+    with pytest.raises(ValueError, match="simulated"):
+        export_head(make_head("eagle3", llama), "sglang", tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_refuses_to_overwrite_a_non_empty_folder(tmp_path, llama):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("x")
+    with pytest.raises(FileExistsError):
+        export_head(make_head("medusa", llama), "medusa", tmp_path / "out")
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["keep.txt"]
+
+
+def test_import_refuses_speculators_variants_we_do_not_implement(tmp_path, llama):
+    export_head(make_head("eagle3", llama), "speculators", tmp_path / "out", target=llama)
+    _edit_config(tmp_path / "out", lambda c: c.update(norm_before_residual=True))
+    with pytest.raises(ValueError, match="norm_before_residual"):
+        import_head(tmp_path / "out")
