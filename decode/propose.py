@@ -227,13 +227,13 @@ def propose(drafter: Drafter | None, root_token: int, tree: TreeBuffers | Dynami
 def _grow_static(growth: _Growth, tree: TreeBuffers) -> DraftTree:
     # Growth creates nodes breadth-first, parents in order and children by rank: exactly the static tree's
     # (depth, ranks) order, so growth's node ids are the static tree's ids.
-    parents, ranks = tree.parents.tolist(), tree.ranks.tolist()
+    parents, ranks, depths = tree.parents.tolist(), tree.ranks.tolist(), tree.position_ids.tolist()
     num_children = [0] * len(parents)
     for node in range(1, len(parents)):
         num_children[parents[node]] = max(num_children[parents[node]], ranks[node] + 1)
     growth.add_children(0, growth.drafter.root_logits(), num_children[0])
     for depth in range(1, tree.depth):
-        expandable = [i for i in range(len(parents)) if tree.position_ids[i] == depth and num_children[i] > 0]
+        expandable = [i for i in range(len(parents)) if depths[i] == depth and num_children[i] > 0]
         if expandable:
             logits = growth.expand(expandable, depth)
             for row, node in enumerate(expandable):

@@ -45,6 +45,8 @@ def verify(model: nn.Module, cache: DynamicCache, tree: DraftTree, past_length: 
 
 def compact_cache(cache: DynamicCache, past_length: int, keep: list[int]) -> None:
     """Keep the committed prefix plus the tree nodes `keep` (root-to-node path) in every cache layer."""
+    if keep == [0] and cache.layers and cache.layers[0].keys.shape[-2] == past_length + 1:
+        return  # plain decoding: the single verified token is the one kept
     tree_length = None
     for layer in cache.layers:
         length = layer.keys.shape[-2]

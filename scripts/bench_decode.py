@@ -1,7 +1,9 @@
 """Benchmark plain decoding (`decode.generate`, heads=None) against transformers' `generate`, and the
 target's verify cost C_T(n) for n tree tokens (REFERENCE sections 1, 4 and 6). Run with:
 
-    python scripts/bench_decode.py --threads 2 --max-new-tokens 64 --repeats 5 --prompts 3 --json bench_decode.json
+    python scripts/bench_decode.py --threads 1 --max-new-tokens 64 --repeats 5 --prompts 3 --json bench_decode.json
+
+On a shared 2-core machine use --threads 1: two OpenMP threads stall whenever another process takes a core.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
 
 import torch
@@ -68,7 +71,8 @@ def _check_same(ours: torch.Tensor, theirs: torch.Tensor, prompt_length: int, ma
     """Fail loudly unless both produced exactly `max_new_tokens` identical tokens."""
     for name, seq in (("decode.generate", ours), ("model.generate", theirs)):
         if seq.shape[1] - prompt_length != max_new_tokens:
-            raise SystemExit(f"{name} produced {seq.shape[1] - prompt_length} tokens, expected {max_new_tokens}")
+            new = seq.shape[1] - prompt_length
+            raise SystemExit(f"{name} produced {new} tokens, expected {max_new_tokens}")
     if not torch.equal(ours, theirs):
         first = int((ours[0] != theirs[0]).nonzero()[0]) - prompt_length
         raise SystemExit(f"token mismatch at new token {first}: ours {ours[0, prompt_length:].tolist()} vs "
@@ -76,28 +80,57 @@ def _check_same(ours: torch.Tensor, theirs: torch.Tensor, prompt_length: int, ma
                          "suppresses in HF also shows up here: try another prompt or fewer tokens)")
 
 
-def bench_plain(model, tokenizer, num_prompts: int, max_new_tokens: int, repeats: int) -> tuple[list[dict], float]:
-    """Median tokens/s of ours vs HF per prompt, interleaved after one warm-up each; median paired ratio."""
-    rows, all_ratios = [], []
+class _ForwardClock:
+    """Wall time inside `model.forward` (hooks): a generate call = model time + loop overhead."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.seconds, self._start = 0.0, 0.0
+        self._hooks = [model.register_forward_pre_hook(lambda *_: setattr(self, "_start", time.perf_counter())),
+                       model.register_forward_hook(lambda *_: self._stop())]
+
+    def _stop(self) -> None:
+        self.seconds += time.perf_counter() - self._start
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+
+
+def bench_plain(model, tokenizer, num_prompts: int, max_new_tokens: int,
+                repeats: int) -> tuple[list[dict], dict[str, float]]:
+    """Median tokens/s of ours vs HF per prompt, interleaved after one warm-up each; median paired ratios."""
+    rows, pairs = [], {"wall": [], "cpu": []}
+    clock = _ForwardClock(model)
     for index in range(num_prompts):
         ids = _prompt_ids(tokenizer, index, model.config.vocab_size)
-        times: dict[str, list[float]] = {"ours": [], "theirs": []}
+        # wall s, process CPU s, ms per token outside model.forward
+        wall, cpu, overhead = ({"ours": [], "theirs": []} for _ in range(3))
         for repeat in range(repeats + 1):  # repeat 0 is the warm-up, not recorded
             outputs = {}
             order = (("ours", _ours), ("theirs", _theirs))  # A B, B A, A B, ...: who goes first alternates
             for name, run in order if repeat % 2 == 0 else order[::-1]:
-                start = time.perf_counter()
+                clock.seconds, start, start_cpu = 0.0, time.perf_counter(), time.process_time()
                 outputs[name] = run(model, ids, max_new_tokens)
                 if repeat:
-                    times[name].append(time.perf_counter() - start)
+                    wall[name].append(time.perf_counter() - start)
+                    cpu[name].append(time.process_time() - start_cpu)
+                    overhead[name].append(1e3 * (wall[name][-1] - clock.seconds) / max_new_tokens)
             _check_same(outputs["ours"], outputs["theirs"], ids.shape[1], max_new_tokens)
-        pair_ratios = [t / o for o, t in zip(times["ours"], times["theirs"])]  # ours tok/s over theirs, per pair
-        all_ratios += pair_ratios
+        wall_ratios = [t / o for o, t in zip(wall["ours"], wall["theirs"])]  # ours tok/s / theirs, per pair
+        pairs["wall"] += wall_ratios
+        pairs["cpu"] += [t / o for o, t in zip(cpu["ours"], cpu["theirs"])]
+        print(f"bench_decode: prompt {index} done, ours/HF per pair {[round(r, 3) for r in wall_ratios]}",
+              file=sys.stderr)
         rows.append({"prompt": index, "prompt_tokens": ids.shape[1], "new_tokens": max_new_tokens,
-                     "ours_tok_s": max_new_tokens / statistics.median(times["ours"]),
-                     "theirs_tok_s": max_new_tokens / statistics.median(times["theirs"]),
-                     "ratio": statistics.median(pair_ratios), "ours_s": times["ours"], "theirs_s": times["theirs"]})
-    return rows, statistics.median(all_ratios)
+                     "ours_tok_s": max_new_tokens / statistics.median(wall["ours"]),
+                     "theirs_tok_s": max_new_tokens / statistics.median(wall["theirs"]),
+                     "ratio": statistics.median(wall_ratios),
+                     "ours_overhead_ms": statistics.median(overhead["ours"]),
+                     "theirs_overhead_ms": statistics.median(overhead["theirs"]),
+                     "ours_s": wall["ours"], "theirs_s": wall["theirs"],
+                     "ours_cpu_s": cpu["ours"], "theirs_cpu_s": cpu["theirs"]})
+    clock.remove()
+    return rows, {key: statistics.median(values) for key, values in pairs.items()}
 
 
 def _random_tree(n: int, vocab_size: int, generator: torch.Generator) -> DraftTree:
@@ -113,7 +146,7 @@ def _random_tree(n: int, vocab_size: int, generator: torch.Generator) -> DraftTr
 
 
 def bench_verify(model, tokenizer, repeats: int) -> list[dict]:
-    """Median ms of one target forward over n tree tokens above a CONTEXT_LENGTH cache, and of lm_head alone."""
+    """Median ms of one verify forward over n tree tokens above a CONTEXT_LENGTH cache; lm_head alone."""
     vocab_size = model.config.vocab_size
     context = torch.cat([_prompt_ids(tokenizer, i % len(PROMPTS), vocab_size) for i in range(12)], dim=1)
     context = context[:, :CONTEXT_LENGTH]
@@ -139,10 +172,9 @@ def bench_verify(model, tokenizer, repeats: int) -> list[dict]:
             if repeat:
                 verify_ms[n].append(1e3 * elapsed)
                 head_ms[n].append(1e3 * (time.perf_counter() - start_head))
-    base = statistics.median(verify_ms[1])
-    return [{"n": n, "verify_ms": statistics.median(verify_ms[n]), "ratio_to_1": statistics.median(verify_ms[n]) / base,
-             "ms_per_token": statistics.median(verify_ms[n]) / n, "lm_head_ms": statistics.median(head_ms[n])}
-            for n in VERIFY_SIZES]
+    medians = {n: statistics.median(verify_ms[n]) for n in VERIFY_SIZES}
+    return [{"n": n, "verify_ms": medians[n], "ratio_to_1": medians[n] / medians[1], "ms_per_token": medians[n] / n,
+             "lm_head_ms": statistics.median(head_ms[n])} for n in VERIFY_SIZES]
 
 
 def _markdown(headers: list[str], rows: list[list[str]]) -> str:
@@ -159,7 +191,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per method, after one warm-up")
-    parser.add_argument("--prompts", type=int, default=3, help=f"how many of the {len(PROMPTS)} built-in prompts")
+    parser.add_argument("--prompts", type=int, default=3, help=f"how many of the {len(PROMPTS)} fixed prompts")
     parser.add_argument("--json", default=None, help="write the results to this path")
     parser.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # tests: random tiny model
     args = parser.parse_args(argv)
@@ -172,27 +204,35 @@ def main(argv: list[str] | None = None) -> dict:
     if args.tiny:
         model, tokenizer = _tiny_target()
     else:
-        model, tokenizer = load_target(args.model, dtype=torch.float32, attn_implementation=args.attn_implementation)
+        model, tokenizer = load_target(args.model, dtype=torch.float32,
+                                       attn_implementation=args.attn_implementation)
 
     with torch.inference_mode():
-        plain, ratio = bench_plain(model, tokenizer, args.prompts, args.max_new_tokens, args.repeats)
+        plain, ratios = bench_plain(model, tokenizer, args.prompts, args.max_new_tokens, args.repeats)
         costs = bench_verify(model, tokenizer, args.repeats)
 
+    ratio = ratios["wall"]
     verdict = "PASS" if ratio >= GOAL else "FAIL"
+    attn = model.config._attn_implementation
     print(f"\n### Plain decoding, {args.max_new_tokens} new tokens (prefill included), median of {args.repeats}, "
-          f"{torch.get_num_threads()} threads, attn {model.config._attn_implementation}\n")
-    print(_markdown(["prompt", "prompt tokens", "ours tok/s", "HF tok/s", "ours/HF (median of pairs)"],
-                    [[str(r["prompt"]), str(r["prompt_tokens"]), f"{r['ours_tok_s']:.2f}", f"{r['theirs_tok_s']:.2f}",
-                      f"{r['ratio']:.3f}"] for r in plain]
-                    + [["all", "", "", "", f"**{ratio:.3f}** {verdict} (goal >= {GOAL})"]]))
-    print(f"\n### Target verify cost C_T(n), {CONTEXT_LENGTH}-token context, random tree, median of {args.repeats}\n")
+          f"threads={torch.get_num_threads()}, attn={attn}\n")
+    print(_markdown(["prompt", "prompt tokens", "ours tok/s", "HF tok/s", "ours/HF (median of pairs)",
+                     "ours ms/token outside forward", "HF ms/token outside forward"],
+                    [[str(r["prompt"]), str(r["prompt_tokens"]), f"{r['ours_tok_s']:.2f}",
+                      f"{r['theirs_tok_s']:.2f}", f"{r['ratio']:.3f}", f"{r['ours_overhead_ms']:.2f}",
+                      f"{r['theirs_overhead_ms']:.2f}"] for r in plain]
+                    + [["all", "", "", "", f"**{ratio:.3f}** {verdict} (goal >= {GOAL})", "", ""]]))
+    print(f"\nours/HF by process CPU time (robust to preemption with --threads 1): {ratios['cpu']:.3f}")
+    print(f"\n### Target verify cost C_T(n), {CONTEXT_LENGTH}-token context, random tree, "
+          f"median of {args.repeats}\n")
     print(_markdown(["n", "verify ms", "x C_T(1)", "ms/token", "lm_head ms"],
                     [[str(r["n"]), f"{r['verify_ms']:.1f}", f"{r['ratio_to_1']:.2f}", f"{r['ms_per_token']:.2f}",
                       f"{r['lm_head_ms']:.1f}"] for r in costs]))
-    results = {"model": "tiny" if args.tiny else args.model, "attn_implementation": model.config._attn_implementation,
+    results = {"model": "tiny" if args.tiny else args.model, "attn_implementation": attn,
                "threads": torch.get_num_threads(), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
                "torch": torch.__version__, "transformers": transformers.__version__, "machine": platform.machine(),
-               "plain": plain, "ours_over_hf": ratio, "goal": GOAL, "verdict": verdict, "verify": costs}
+               "plain": plain, "ours_over_hf": ratio, "ours_over_hf_cpu": ratios["cpu"], "goal": GOAL,
+               "verdict": verdict, "verify": costs}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
