@@ -228,9 +228,9 @@ def _target_tensors(target) -> tuple[Tensor | None, Tensor | None, object]:
     if target is None:
         return None, None, None
     if isinstance(target, (str, Path)):
-        from transformers import AutoModelForCausalLM
+        from heads.target import load_target  # resolves the offline default target too
 
-        target = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32)
+        target, _ = load_target(str(target))
     return (target.get_input_embeddings().weight, target.get_output_embeddings().weight, target.config)
 
 
