@@ -18,7 +18,7 @@ from datasets import Dataset
 from heads import FeatureCapture, MedusaConfig, MedusaHeads
 from heads.target import DEFAULT_TARGET, load_target
 from train.config import EagleTrainConfig, MedusaTrainConfig
-from train.eagle import EagleStep, new_head, target_pass
+from train.eagle import EagleStep, draft_vocab_rows, new_head, target_pass
 from train.losses import medusa_loss_from_hidden
 
 
@@ -67,8 +67,8 @@ def main() -> None:
         step = EagleStep(head, cfg, target.get_input_embeddings(), target.get_output_embeddings())
         optimizer = torch.optim.AdamW(head.parameters(), lr=1e-4)
         with FeatureCapture(target, head.feature_layers) as capture:
-            def train_step(batch, step=step, optimizer=optimizer, capture=capture):
-                features, logits = target_pass(target, capture, batch)
+            def train_step(batch, step=step, optimizer=optimizer, capture=capture, rows=draft_vocab_rows(head, target)):
+                features, logits = target_pass(target, capture, batch, rows)
                 loss, _ = step(features, batch["input_ids"], logits, batch["loss_mask"])
                 loss.backward()
                 optimizer.step()

@@ -70,10 +70,29 @@ def new_head(cfg: EagleTrainConfig, target: nn.Module, train_set) -> EagleHead:
 
 
 @torch.no_grad()
-def target_pass(target: nn.Module, capture: FeatureCapture, batch: dict) -> tuple[Tensor, Tensor]:
-    """The frozen target's tapped features (B, T, F) and logits (B, T, V) for a batch."""
-    logits = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+def target_pass(target: nn.Module, capture: FeatureCapture, batch: dict,
+                draft_rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The frozen target's tapped features (B, T, F) and logits for a batch.
+
+    With `draft_rows` (the target lm_head's rows of an EAGLE-3 draft vocabulary, (Vd, H)) the target runs
+    without its full-vocabulary lm_head and the logits are (B, T, Vd): the loss only reads those columns.
+    """
+    if draft_rows is None:
+        logits = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        return capture.features(), logits
+    hidden = target.get_decoder()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])[0]
+    logits = nn.functional.linear(hidden, draft_rows)                                # (B, T, Vd)
+    softcap = getattr(target.config.get_text_config(), "final_logit_softcapping", None)
+    if softcap:  # what the target's own forward applies after its lm_head (Gemma 2)
+        logits = torch.tanh(logits / softcap) * softcap
     return capture.features(), logits
+
+
+def draft_vocab_rows(head: EagleHead, target: nn.Module) -> Tensor | None:
+    """(Vd, H) rows of the target's lm_head for an EAGLE-3 head with a reduced vocabulary, else None."""
+    if head.head_type != "eagle3" or head.config.draft_vocab_size == head.config.vocab_size:
+        return None
+    return target.get_output_embeddings().weight[head.t2d].detach().clone()
 
 
 def offline_rows(cfg: EagleRunConfig, head: EagleHead, target: nn.Module, train_set, pad_id: int):
@@ -103,7 +122,8 @@ def eval_loss(step_module: nn.Module, target: nn.Module, capture: FeatureCapture
     for i, batch in enumerate(loader):
         if i >= max_batches:
             break
-        features, logits = target_pass(target, capture, batch)
+        features, logits = target_pass(target, capture, batch, draft_vocab_rows(
+            accelerator.unwrap_model(step_module).head, target))
         losses.append(step_module(features, batch["input_ids"], logits, batch["loss_mask"])[0].detach())
     step_module.train()
     if not losses:
@@ -150,6 +170,7 @@ def main(cfg: EagleRunConfig) -> None:
 
     # 5. loop; hidden states come from the target online, or from a dump (scripts/dump_hidden_states.py)
     rows, collate_fn = offline_rows(cfg, head, target, train_set, pad_id)
+    draft_rows = draft_vocab_rows(head, target)  # EAGLE-3: the target's logits over the draft vocab only
     capture = FeatureCapture(target, head.feature_layers).__enter__()
     export_kwargs = dict(base_model=cfg.model.target, base_revision=cfg.model.revision, target=target)
     progress = tqdm(total=num_steps, initial=step, disable=not accelerator.is_main_process, desc="train")
@@ -161,7 +182,7 @@ def main(cfg: EagleRunConfig) -> None:
         for batch in loader:
             with accelerator.accumulate(step_module):
                 if collate_fn is None:
-                    features, logits = target_pass(target, capture, batch)
+                    features, logits = target_pass(target, capture, batch, draft_rows)
                 else:
                     features, logits = batch["features"], batch["logits"]
                 loss, metrics = step_module(features, batch["input_ids"], logits, batch["loss_mask"])

@@ -97,7 +97,8 @@ def eagle3_ttt_loss(head: EagleHead, target_features: Tensor, input_ids: Tensor,
     Args:
         head: an eagle3 head (its t2d selects the draft vocabulary).
         target_features: (B, T, taps * H) concatenated tapped target states.
-        input_ids, target_logits, loss_mask: (B, T), (B, T, V), (B, T).
+        input_ids, target_logits, loss_mask: (B, T), (B, T, V) or already restricted to the draft
+            vocabulary (B, T, Vd), (B, T).
         embed: the target's frozen embedding.
         ttt_steps: unrolled steps (>= 1).
         decay: step weight base.
@@ -111,7 +112,10 @@ def eagle3_ttt_loss(head: EagleHead, target_features: Tensor, input_ids: Tensor,
     features = head.project_features(target_features[:, :-1])                        # (B, T-1, H)
     embeds = embed(input_ids[:, 1:]).to(features.dtype)                               # (B, T-1, H)
     positions = torch.arange(length, device=features.device).expand(b, -1)
-    target_probs = torch.softmax(target_logits[:, 1:, head.t2d].float(), dim=-1)       # (B, T-1, Vd)
+    target_logits = target_logits[:, 1:]
+    if target_logits.shape[-1] != head.config.draft_vocab_size:  # full-vocabulary logits: keep the draft's
+        target_logits = target_logits[..., head.t2d]
+    target_probs = torch.softmax(target_logits.float(), dim=-1)                         # (B, T-1, Vd)
     token_mask = torch.zeros(b, length, dtype=torch.bool, device=features.device)
     token_mask[:, :-1] = loss_mask[:, 2:].bool()                                       # token t + 2
     cache = DraftCache()

@@ -150,3 +150,17 @@ def test_medusa_loss_from_hidden_equals_full_logits_version():
     torch.testing.assert_close(light, full, atol=1e-5, rtol=1e-5)
     for key, value in full_metrics.items():
         torch.testing.assert_close(light_metrics[key], value, atol=1e-5, rtol=1e-5)
+
+
+def test_target_pass_over_draft_rows_equals_full_logits_restricted(target):
+    from train.eagle import draft_vocab_rows, target_pass
+
+    head = EagleHead(EagleConfig.from_target(target.config, "eagle3", draft_vocab_size=40))
+    head.set_draft_vocab(torch.randperm(V)[:40])
+    batch = {"input_ids": torch.randint(0, V, (2, 7)), "attention_mask": torch.ones(2, 7, dtype=torch.long)}
+    with FeatureCapture(target, head.feature_layers) as capture:
+        full_features, full = target_pass(target, capture, batch)
+        features, reduced = target_pass(target, capture, batch, draft_vocab_rows(head, target))
+    torch.testing.assert_close(features, full_features)
+    torch.testing.assert_close(reduced, full[..., head.t2d], atol=1e-5, rtol=1e-5)
+    assert draft_vocab_rows(EagleHead(EagleConfig.from_target(target.config, "eagle1")), target) is None
