@@ -20,8 +20,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 from transformers import get_scheduler
 
-from train.checkpoint import latest_state
-from train.config import DataConfig, TrainConfig
+from train.checkpoint import latest_state, load_state
+from train.config import DataConfig, TrainConfig, save_config, to_dict
 from train.data import build_dataset, collate, split_eval
 
 
@@ -164,6 +164,25 @@ def make_optimizer(param_groups, train: TrainConfig, num_steps: int):
     warmup = math.ceil(train.warmup_ratio * num_steps)
     name = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[train.lr_scheduler]
     return optimizer, get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=num_steps)
+
+
+def start_or_resume(accelerator: Accelerator, cfg, output_dir: Path, num_steps: int) -> int:
+    """Save the resolved config, start the trackers, and load the newest resume state if there is one.
+
+    Returns:
+        The optimizer step to start from (0 for a fresh run).
+    """
+    if accelerator.is_main_process:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, output_dir / "config.yaml")
+    if cfg.train.report_to != "none":
+        accelerator.init_trackers(output_dir.name, config=to_dict(cfg))
+    state = latest_state(output_dir)
+    if state is None:
+        return 0
+    step = load_state(accelerator, state)
+    accelerator.print(f"resumed from {state} at step {step}/{num_steps}")
+    return step
 
 
 def check_finite(accelerator: Accelerator, loss: torch.Tensor, completed_steps: int, output_dir: str | Path) -> None:

@@ -21,10 +21,11 @@ from tqdm.auto import tqdm
 
 from heads import EagleConfig, EagleHead, FeatureCapture
 from heads.target import load_target
-from train.checkpoint import export_head, latest_state, load_state, save_state
-from train.common import (check_finite, epoch_loader, load_datasets, make_accelerator, make_optimizer,
-                          simulated_tau, StepLogger, steps_per_epoch, total_steps, whole_on_every_rank)
-from train.config import EagleRunConfig, EagleTrainConfig, load_config, save_config, to_dict
+from train.checkpoint import export_head, save_state
+from train.common import (StepLogger, check_finite, epoch_loader, load_datasets, make_accelerator,
+                          make_optimizer, simulated_tau, start_or_resume, steps_per_epoch, total_steps,
+                          whole_on_every_rank)
+from train.config import EagleRunConfig, EagleTrainConfig, load_config, to_dict
 from train.data import draft_vocab_from_frequencies, token_frequencies
 from train.losses import eagle1_loss, eagle3_ttt_loss
 from train.offline import OfflineStates
@@ -158,15 +159,7 @@ def main(cfg: EagleRunConfig) -> None:
     # 4. wrap for the distributed setting; the scheduler is stepped by hand once per optimizer step
     step_module, optimizer = accelerator.prepare(step_module, optimizer)
     accelerator.register_for_checkpointing(scheduler)
-    if accelerator.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, out / "config.yaml")
-    if cfg.train.report_to != "none":
-        accelerator.init_trackers(out.name, config=to_dict(cfg))
-    step = 0
-    if (state := latest_state(out)) is not None:
-        step = load_state(accelerator, state)
-        accelerator.print(f"resumed from {state} at step {step}/{num_steps}")
+    step = start_or_resume(accelerator, cfg, out, num_steps)
 
     # 5. loop; hidden states come from the target online, or from a dump (scripts/dump_hidden_states.py)
     rows, collate_fn = offline_rows(cfg, head, target, train_set, pad_id)

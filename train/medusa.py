@@ -22,10 +22,11 @@ from tqdm.auto import tqdm
 
 from heads import MedusaConfig, MedusaHeads
 from heads.target import load_target
-from train.checkpoint import export_head, latest_state, load_state, save_state
-from train.common import (check_finite, epoch_loader, load_datasets, make_accelerator, make_optimizer,
-                          simulated_tau, StepLogger, steps_per_epoch, total_steps, whole_on_every_rank)
-from train.config import MedusaRunConfig, MedusaTrainConfig, load_config, save_config, to_dict
+from train.checkpoint import export_head, save_state
+from train.common import (StepLogger, check_finite, epoch_loader, load_datasets, make_accelerator,
+                          make_optimizer, simulated_tau, start_or_resume, steps_per_epoch, total_steps,
+                          whole_on_every_rank)
+from train.config import MedusaRunConfig, MedusaTrainConfig, load_config, to_dict
 from train.losses import masked_mean, medusa_loss_from_hidden
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -124,15 +125,7 @@ def main(cfg: MedusaRunConfig) -> None:
     # 4. wrap; the scheduler is stepped by hand once per optimizer step
     step_module, optimizer = accelerator.prepare(step_module, optimizer)
     accelerator.register_for_checkpointing(scheduler)
-    if accelerator.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, out / "config.yaml")
-    if cfg.train.report_to != "none":
-        accelerator.init_trackers(out.name, config=to_dict(cfg))
-    step = 0
-    if (state := latest_state(out)) is not None:
-        step = load_state(accelerator, state)
-        accelerator.print(f"resumed from {state} at step {step}/{num_steps}")
+    step = start_or_resume(accelerator, cfg, out, num_steps)
 
     # 5. loop
     export_kwargs = dict(base_model=cfg.model.target, base_revision=cfg.model.revision, target=target)
