@@ -156,7 +156,7 @@ def main(cfg: MedusaRunConfig) -> None:
             scheduler.step()
             step += 1
             logger.step(step, step == num_steps, loss, scheduler.get_last_lr()[0], grad_norm, metrics)
-            if cfg.train.eval_every_steps and step % cfg.train.eval_every_steps == 0 or step == num_steps:
+            if (cfg.train.eval_every_steps and step % cfg.train.eval_every_steps == 0) or step == num_steps:
                 evaluate(accelerator, step_module, eval_set, cfg, step)
             if cfg.train.save_every_steps and step % cfg.train.save_every_steps == 0 and step < num_steps:
                 save_state(accelerator, out, step, cfg.train.keep_checkpoints)
