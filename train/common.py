@@ -166,6 +166,17 @@ def make_optimizer(param_groups, train: TrainConfig, num_steps: int):
     return optimizer, get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=num_steps)
 
 
+def _flat_config(tree: dict, prefix: str = "") -> dict:
+    """{"train": {"seed": 0}} -> {"train.seed": 0}; lists and None become strings."""
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flat_config(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value if isinstance(value, (int, float, str, bool)) else str(value)
+    return flat
+
+
 def start_or_resume(accelerator: Accelerator, cfg, output_dir: Path, num_steps: int) -> int:
     """Save the resolved config, start the trackers, and load the newest resume state if there is one.
 
@@ -175,8 +186,8 @@ def start_or_resume(accelerator: Accelerator, cfg, output_dir: Path, num_steps: 
     if accelerator.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, output_dir / "config.yaml")
-    if cfg.train.report_to != "none":
-        accelerator.init_trackers(output_dir.name, config=to_dict(cfg))
+    if cfg.train.report_to != "none":  # trackers take flat scalar hyperparameters (tensorboard rejects lists)
+        accelerator.init_trackers(output_dir.name, config=_flat_config(to_dict(cfg)))
     state = latest_state(output_dir)
     if state is None:
         return 0

@@ -205,3 +205,33 @@ def test_mostly_bad_training_file_fails_naming_it(tmp_path, overrides, run_recip
     with pytest.raises(ValueError, match=re.escape(f"{bad}: 30 of 40 rows skipped")):
         run_recipe(overrides(out, train_file=bad))  # tiny_test tolerates max_bad_fraction=0.5
     assert not (out / "state").exists() and not (out / "head").exists()
+
+
+def test_tensorboard_tracker_receives_the_training_metrics(tmp_path, overrides, run_recipe):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "tb"
+    run_recipe(overrides(out, *FAST, "train.report_to=tensorboard"))
+    events = list(out.rglob("events.out.tfevents.*"))
+    assert events, f"no tensorboard event file under {out}"
+    scalars = set()
+    for event in events:
+        accumulator = EventAccumulator(str(event))
+        accumulator.Reload()
+        scalars |= set(accumulator.Tags()["scalars"])
+    for tag in ("loss", "lr", "tokens_per_s", "grad_norm", "top1_step0", "eval_loss"):
+        assert any(t.split("/")[-1] == tag for t in scalars), f"{tag} not logged: {sorted(scalars)}"
+
+
+def test_wandb_without_a_key_logs_offline(tmp_path, overrides, run_recipe, monkeypatch):
+    pytest.importorskip("wandb")
+    for name in ("WANDB_API_KEY", "WANDB_MODE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out = tmp_path / "wb"
+    run_recipe(overrides(out, *FAST, "train.report_to=wandb"))
+    runs = list(tmp_path.rglob("offline-run-*"))
+    assert runs, "no offline wandb run was written"
+    assert (out / "head" / "model.safetensors").is_file()
