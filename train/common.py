@@ -196,6 +196,21 @@ def start_or_resume(accelerator: Accelerator, cfg, output_dir: Path, num_steps: 
     return step
 
 
+def backward_and_clip(accelerator: Accelerator, loss: torch.Tensor, module: nn.Module, max_grad_norm: float,
+                      drop_grads: list | None = None):
+    """Backward, drop the gradients of `drop_grads` (parameters idle this step), and clip on optimizer steps.
+
+    Returns:
+        The pre-clip global grad norm on optimizer steps with clipping, else None.
+    """
+    accelerator.backward(loss)
+    for param in drop_grads or ():
+        param.grad = None
+    if accelerator.sync_gradients and max_grad_norm > 0:
+        return accelerator.clip_grad_norm_(module.parameters(), max_grad_norm)
+    return None
+
+
 def check_finite(accelerator: Accelerator, loss: torch.Tensor, completed_steps: int, output_dir: str | Path) -> None:
     """Stop on a NaN/inf loss of optimizer step `completed_steps + 1` on ANY rank (all ranks stop together,
     none is left waiting in a collective); the last good resume state stays."""

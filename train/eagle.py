@@ -22,8 +22,9 @@ from tqdm.auto import tqdm
 from heads import EagleConfig, EagleHead, FeatureCapture
 from heads.target import load_target
 from train.checkpoint import export_head, save_state
-from train.common import (StepLogger, check_finite, epoch_loader, load_datasets, make_accelerator,
-                          make_optimizer, simulated_tau, start_or_resume, steps_per_epoch, total_steps,
+from train.common import (StepLogger, backward_and_clip, check_finite, epoch_loader, load_datasets,
+                          make_accelerator, make_optimizer, simulated_tau, start_or_resume, steps_per_epoch,
+                          total_steps,
                           whole_on_every_rank)
 from train.config import EagleRunConfig, EagleTrainConfig, load_config, to_dict
 from train.data import draft_vocab_from_frequencies, token_frequencies
@@ -180,10 +181,7 @@ def main(cfg: EagleRunConfig) -> None:
                     features, logits = batch["features"], batch["logits"]
                 loss, metrics = step_module(features, batch["input_ids"], logits, batch["loss_mask"])
                 check_finite(accelerator, loss, step, out)
-                accelerator.backward(loss)
-                grad_norm = None
-                if accelerator.sync_gradients and cfg.train.max_grad_norm > 0:
-                    grad_norm = accelerator.clip_grad_norm_(step_module.parameters(), cfg.train.max_grad_norm)
+                grad_norm = backward_and_clip(accelerator, loss, step_module, cfg.train.max_grad_norm)
                 optimizer.step()
                 optimizer.zero_grad()
             logger.count(batch)

@@ -23,8 +23,9 @@ from tqdm.auto import tqdm
 from heads import MedusaConfig, MedusaHeads
 from heads.target import load_target
 from train.checkpoint import export_head, save_state
-from train.common import (StepLogger, check_finite, epoch_loader, load_datasets, make_accelerator,
-                          make_optimizer, simulated_tau, start_or_resume, steps_per_epoch, total_steps,
+from train.common import (StepLogger, backward_and_clip, check_finite, epoch_loader, load_datasets,
+                          make_accelerator, make_optimizer, simulated_tau, start_or_resume, steps_per_epoch,
+                          total_steps,
                           whole_on_every_rank)
 from train.config import MedusaRunConfig, MedusaTrainConfig, load_config, to_dict
 from train.losses import masked_mean, medusa_loss_from_hidden
@@ -141,13 +142,10 @@ def main(cfg: MedusaRunConfig) -> None:
                 loss, metrics = step_module(batch["input_ids"], batch["attention_mask"], batch["loss_mask"],
                                             lm_weight=0.0 if stage_one else 1.0)
                 check_finite(accelerator, loss, step, out)
-                accelerator.backward(loss)
-                grad_norm = None
-                if accelerator.sync_gradients and cfg.train.max_grad_norm > 0:
-                    grad_norm = accelerator.clip_grad_norm_(step_module.parameters(), cfg.train.max_grad_norm)
-                if stage_one and len(optimizer.param_groups) > 1:
-                    for p in optimizer.param_groups[1]["params"]:
-                        p.grad = None  # heads-only stage: LoRA weights do not move
+                # heads-only stage: LoRA weights do not move, and their gradients do not enter the clip norm
+                lora_idle = stage_one and len(optimizer.param_groups) > 1
+                idle = optimizer.param_groups[1]["params"] if lora_idle else None
+                grad_norm = backward_and_clip(accelerator, loss, step_module, cfg.train.max_grad_norm, idle)
                 optimizer.step()
                 optimizer.zero_grad()
             logger.count(batch)
