@@ -71,7 +71,7 @@ def node_depths(parents: Tensor) -> Tensor:
 def leaf_paths(parents: Tensor) -> Tensor:
     """(P, D + 1) root-to-leaf node indices, padded with -1."""
     plist = parents.tolist()
-    has_child = set(p for p in plist if p >= 0)
+    has_child = {p for p in plist if p >= 0}
     paths = []
     for leaf in range(len(plist)):
         if leaf in has_child:
@@ -97,7 +97,7 @@ def build_tree(paths: Sequence[Sequence[int]]) -> TreeBuffers:
     if any(len(p) == 0 for p in normalized):
         raise ValueError("tree paths must be non-empty rank tuples; the root is implicit")
     if any(r < 0 for p in normalized for r in p):
-        raise ValueError(f"tree ranks must be >= 0, got {[p for p in normalized if min(p) < 0][0]}")
+        raise ValueError(f"tree ranks must be >= 0, got {next(p for p in normalized if min(p) < 0)}")
     if len(set(normalized)) != len(normalized):
         dup = next(p for p in normalized if normalized.count(p) > 1)
         raise ValueError(f"tree path {dup} appears twice")

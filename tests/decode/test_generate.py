@@ -12,10 +12,9 @@ import pytest
 import torch
 from torch import nn
 
-from decode import DynamicTree, generate
+from decode import DEFAULT_TREES, DynamicTree, generate
 from decode.propose import Drafter
 from heads.eagle import EagleConfig, EagleHead
-from heads.features import LAST
 from heads.medusa import MedusaConfig, MedusaHeads
 
 PROMPT = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(1))
@@ -60,47 +59,15 @@ def _reference(model: nn.Module) -> tuple[list[int], torch.Tensor]:
     return sequence[0].tolist(), hidden
 
 
-class OracleDrafter(Drafter):
-    """Puts the plain continuation's next token at a random rank among its top 3; checks what it is fed."""
+@pytest.fixture
+def oracle(rank_oracle):
+    """`oracle(model, seed)`: ranks the true next token 1st, 2nd or 3rd uniformly; checks the features it is fed."""
 
-    feature_layers = (LAST,)
+    def build(model: nn.Module, seed: int = 0) -> Drafter:
+        sequence, features = _reference(model)
+        return rank_oracle(sequence, V, [1 / 3, 1 / 3, 1 / 3], seed=seed, features=features)
 
-    def __init__(self, model: nn.Module, seed: int = 0) -> None:
-        self.sequence, self.features = _reference(model)
-        self.generator = torch.Generator().manual_seed(seed)
-        self.root = 0  # index in `sequence` of the current root token
-        self.on_path = {0: True}  # node -> lies on the true continuation
-
-    def advance(self, features, next_tokens):
-        n = next_tokens.numel()
-        assert next_tokens.tolist() == self.sequence[self.root + 1 : self.root + 1 + n]
-        torch.testing.assert_close(features, self.features[self.root : self.root + n], atol=1e-4, rtol=0)
-        self.root += n
-
-    def _logits(self, index: int, on_path: bool) -> torch.Tensor:
-        logits = torch.rand(V, generator=self.generator)
-        if on_path and index < len(self.sequence):
-            truth = self.sequence[index]
-            others = [t for t in torch.randperm(V, generator=self.generator).tolist() if t != truth][:2]
-            rank = int(torch.randint(3, (), generator=self.generator))
-            logits[others[:rank] + [truth] + others[rank:]] = torch.tensor([12.0, 11.0, 10.0])
-        return logits
-
-    def root_logits(self):
-        return self._logits(self.root + 1, True)
-
-    def expand(self, nodes, tokens, parents, depth):
-        rows = []
-        for node, token, parent in zip(nodes, tokens.tolist(), parents):
-            index = self.root + depth
-            self.on_path[node] = (
-                self.on_path[parent] and index < len(self.sequence) and token == self.sequence[index]
-            )
-            rows.append(self._logits(index + 1, self.on_path[node]))
-        return torch.stack(rows)
-
-    def end_proposal(self):
-        self.on_path = {0: True}
+    return build
 
 
 def _plain_ids(model: nn.Module, n: int = N) -> list[int]:
@@ -142,9 +109,9 @@ def _spy_on_compaction(monkeypatch) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("tree", BRANCHING_TREES)
-def test_oracle_drafts_are_accepted_and_output_is_plain(any_target, tree, monkeypatch):
+def test_oracle_drafts_are_accepted_and_output_is_plain(any_target, tree, monkeypatch, oracle):
     kept_paths = _spy_on_compaction(monkeypatch)
-    out = generate(any_target, PROMPT, OracleDrafter(any_target), max_new_tokens=N, tree=TREES[tree])
+    out = generate(any_target, PROMPT, oracle(any_target), max_new_tokens=N, tree=TREES[tree])
     assert out.sequences[0].tolist() == _plain_ids(any_target)
     assert out.tau > 1.5, out
     assert len(out.accepted_per_depth) >= 2 and min(out.accepted_per_depth[:2]) > 0, out.accepted_per_depth
@@ -163,32 +130,30 @@ def _eos_step(model: nn.Module) -> int:
 
 
 @pytest.mark.parametrize("heads", ["plain", "eagle1", "oracle"])
-def test_eos_stops_where_plain_decoding_stops(any_target, heads):
+def test_eos_stops_where_plain_decoding_stops(any_target, heads, oracle):
     j = _eos_step(any_target)
     eos = _plain_ids(any_target)[T + j]
     drafter = {
         "plain": None,
         "eagle1": _random_heads("eagle1", any_target),
-        "oracle": OracleDrafter(any_target),
+        "oracle": oracle(any_target),
     }[heads]
     out = generate(any_target, PROMPT, drafter, max_new_tokens=N, eos_token_id=eos, tree=TREES["branch5"])
     assert out.sequences[0].tolist() == _plain_ids(any_target, j + 1)
     assert out.new_tokens == j + 1 and out.stopped_at_eos
 
 
-def test_eos_list_and_generation_config(build_target):
+def test_eos_list_and_generation_config(build_target, oracle):
     model = build_target("qwen2")
     j = _eos_step(model)
     eos = _plain_ids(model)[T + j]
-    out = generate(
-        model, PROMPT, OracleDrafter(model), max_new_tokens=N, eos_token_id=[999, eos], tree="tree8"
-    )
+    out = generate(model, PROMPT, oracle(model), max_new_tokens=N, eos_token_id=[999, eos], tree="tree8")
     assert out.sequences[0].tolist() == _plain_ids(model, j + 1) and out.stopped_at_eos
     # the fixture cleared generation_config's EOS, so no stop without eos_token_id
     assert generate(model, PROMPT, max_new_tokens=N).new_tokens == N
 
 
-def test_eos_inside_an_accepted_path_stops_decoding(build_target, monkeypatch):
+def test_eos_inside_an_accepted_path_stops_decoding(build_target, monkeypatch, oracle):
     model = build_target("llama")
     j = _eos_step(model)
     eos = _plain_ids(model)[T + j]
@@ -197,7 +162,7 @@ def test_eos_inside_an_accepted_path_stops_decoding(build_target, monkeypatch):
         out = generate(
             model,
             PROMPT,
-            OracleDrafter(model, seed),
+            oracle(model, seed),
             max_new_tokens=N,
             eos_token_id=eos,
             tree=TREES["branch5"],
@@ -209,9 +174,9 @@ def test_eos_inside_an_accepted_path_stops_decoding(build_target, monkeypatch):
 
 
 @pytest.mark.parametrize("max_new_tokens", [1, 2, 5, 13])
-def test_max_new_tokens_is_exact(build_target, max_new_tokens):
+def test_max_new_tokens_is_exact(build_target, max_new_tokens, oracle):
     model = build_target("qwen2")
-    out = generate(model, PROMPT, OracleDrafter(model), max_new_tokens=max_new_tokens, tree=TREES["tree8"])
+    out = generate(model, PROMPT, oracle(model), max_new_tokens=max_new_tokens, tree=TREES["tree8"])
     assert out.new_tokens == max_new_tokens
     assert out.sequences[0].tolist() == _plain_ids(model, max_new_tokens)
     assert not out.stopped_at_eos
@@ -224,13 +189,14 @@ def test_plain_statistics(build_target):
     out = generate(build_target("llama"), PROMPT, max_new_tokens=20)
     assert out.tau == 1.0 and out.steps == out.new_tokens - 1 == 19 and out.target_forwards == 20
     assert out.accepted_per_depth == [] and out.acceptance_rates() == []
+    assert out.accepted_ranks == [] and out.draft_nodes == 0
     assert out.seconds > 0 and out.tokens_per_second == pytest.approx(20 / out.seconds)
 
 
 @pytest.mark.parametrize("tree", ["tree8", "dynamic338"])
-def test_acceptance_rates(build_target, tree):
+def test_acceptance_rates(build_target, tree, oracle):
     model = build_target("gemma2")
-    out = generate(model, PROMPT, OracleDrafter(model, seed=1), max_new_tokens=N, tree=TREES[tree])
+    out = generate(model, PROMPT, oracle(model, seed=1), max_new_tokens=N, tree=TREES[tree])
     rates = out.acceptance_rates()
     assert len(rates) == len(out.accepted_per_depth) >= 2
     assert all(0.0 <= r <= 1.0 for r in rates)
@@ -238,3 +204,10 @@ def test_acceptance_rates(build_target, tree):
     assert rates[1] == out.accepted_per_depth[1] / out.accepted_per_depth[0]
     assert out.accepted_per_depth == sorted(out.accepted_per_depth, reverse=True)
     assert 0.3 < rates[0] <= 1.0
+    # Accepted nodes split by sibling rank add up to the per-depth counts.
+    assert [sum(ranks) for ranks in out.accepted_ranks] == out.accepted_per_depth
+    assert all(count >= 0 for ranks in out.accepted_ranks for count in ranks)
+    if tree == "tree8":
+        assert out.draft_nodes == out.steps * len(DEFAULT_TREES["tree8"])
+    else:
+        assert out.draft_nodes == out.steps * TREES[tree].total_tokens

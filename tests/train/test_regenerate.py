@@ -1,4 +1,4 @@
-"""Tests for train.data.regenerate (self-distillation) on a tiny random Llama with the SmolLM2 tokenizer:
+"""Tests for train.regen.regenerate (self-distillation) on a tiny random Llama with the SmolLM2 tokenizer:
 shards, greedy output, resume after a finished run, after a killed run, and past a half-written shard."""
 
 from __future__ import annotations
@@ -10,7 +10,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from heads.target import materialize_default_target
-from train.data import BadRow, read_rows, regenerate
+from train import regen
+from train.data import BadRow, read_rows
+from train.regen import batched_generate, regenerate
 
 PROMPTS = [
     {"id": f"p{i}", "source": "test", "messages": [{"role": "user", "content": text}]}
@@ -81,7 +83,7 @@ def test_second_run_skips_finished_ids_and_adds_new_ones(tmp_path, model, tokeni
 
 def test_killed_run_resumes(tmp_path, model, tokenizer, monkeypatch):
     calls = {"n": 0}
-    generate = model.generate
+    generate = regen.batched_generate
 
     def dies_on_second_call(*args, **kwargs):
         calls["n"] += 1
@@ -89,7 +91,7 @@ def test_killed_run_resumes(tmp_path, model, tokenizer, monkeypatch):
             raise KeyboardInterrupt("killed")
         return generate(*args, **kwargs)
 
-    monkeypatch.setattr(model, "generate", dies_on_second_call)
+    monkeypatch.setattr(regen, "batched_generate", dies_on_second_call)
     with pytest.raises(KeyboardInterrupt):
         regenerate(model, tokenizer, PROMPTS, tmp_path, batch_size=2, max_new_tokens=3, shard_size=2)
     assert list(_shards(tmp_path)) == ["shard-00000.jsonl"]  # the shard in progress was never written
@@ -122,3 +124,33 @@ def test_prompt_rows_are_checked_and_trailing_replies_dropped(tmp_path, model, t
     ((row,),) = _shards(tmp_path).values()
     assert row["messages"][0] == {"role": "user", "content": "Hi"} and len(row["messages"]) == 2
     assert row["messages"][1]["content"] != "stale" and row["source"] is None
+
+
+def test_batched_generate_drops_finished_rows_and_matches_row_by_row(model, tokenizer):
+    """Rows that stop early leave the batch; every row equals its own unpadded greedy decode, and a stop id
+    that fires mid-batch ends exactly that row."""
+    texts = [tokenizer.apply_chat_template(p["messages"], add_generation_prompt=True, tokenize=False)
+             for p in PROMPTS]  # fmt: skip
+    singles = []
+    for text in texts:
+        ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        singles.append(
+            model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None)[0, ids.shape[1] :]
+        )
+    stop = int(singles[1][3])  # row 1 stops at its 4th token; other rows stop wherever that token appears
+    tokenizer.padding_side = "left"
+    try:
+        batch = tokenizer(texts, add_special_tokens=False, padding=True, return_tensors="pt")
+    finally:
+        tokenizer.padding_side = "right"
+    outputs = batched_generate(model, batch["input_ids"], batch["attention_mask"], 8, {stop})
+    for single, (reply, stopped) in zip(singles, outputs):
+        single = single.tolist()
+        expected = single[: single.index(stop)] if stop in single else single
+        assert reply == expected and stopped == (stop in single)
+    assert outputs[1] == (singles[1][:3].tolist(), True)
+    seeded = [batched_generate(model, batch["input_ids"], batch["attention_mask"], 6, set(), temperature=1.0,
+                               generator=torch.Generator().manual_seed(3)) for _ in range(2)]  # fmt: skip
+    assert seeded[0] == seeded[1] and all(len(reply) == 6 and not stopped for reply, stopped in seeded[0])
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        batched_generate(model, batch["input_ids"], batch["attention_mask"], 0, {stop})

@@ -1,0 +1,143 @@
+"""Tests for decode/sizing.py: acceptance per (depth, rank) from generate's statistics, the best-first tree and its
+expected tokens, the cost-model search, and the cost measurements on a tiny target.
+
+A rank oracle drafter (tests/conftest.py: it knows the plain greedy continuation and puts the true next token at rank r with given
+probabilities) makes the acceptance model exact, so predicted E[tokens] can be checked against measured tau.
+"""
+
+import itertools
+
+import pytest
+import torch
+
+from decode import DynamicTree, generate
+from decode.generate import GenerateOutput
+from decode.sizing import (
+    best_tree,
+    interpolate,
+    measure_propose_cost,
+    measure_verify_cost,
+    rank_acceptance,
+    size_tree,
+)
+from heads.eagle import EagleConfig, EagleHead
+from heads.medusa import MedusaConfig, MedusaHeads
+
+PROMPT = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(1))
+
+
+def _output(steps, per_depth, ranks, depth) -> GenerateOutput:
+    return GenerateOutput(sequences=torch.zeros(1, 1), new_tokens=0, tau=1.0, target_forwards=steps + 1,
+                          steps=steps, accepted_per_depth=per_depth, accepted_ranks=ranks, draft_depth=depth)  # fmt: skip
+
+
+def test_rank_acceptance_pools_runs_and_counts_drafted_depths_only():
+    runs = [_output(10, [6, 3], [[5, 1], [2, 1]], 3), _output(10, [4], [[4]], 2)]
+    acceptance = rank_acceptance(runs)
+    # depth 1: 20 steps, ranks 0/1 accepted 9/1 times; depth 2: reached 6 + 4 = 10, ranks 2/1;
+    # depth 3: drafted by the first run only, reached 3 times, never accepted.
+    assert acceptance == [[0.45, 0.05], [0.2, 0.1], []]
+    assert rank_acceptance([_output(5, [], [], 0)]) == []  # plain decoding measures nothing
+
+
+def test_best_tree_takes_most_probable_nodes():
+    expected, paths = best_tree([[0.6, 0.2], [0.5, 0.1]], budget=3)
+    assert paths == [(0,), (1,), (0, 0)] and expected == pytest.approx(1 + 0.6 + 0.2 + 0.3)
+    assert best_tree([[0.6, 0.2], [0.5, 0.1]], budget=3, top_k=1) == (
+        pytest.approx(1 + 0.6 + 0.3),
+        [(0,), (0, 0)],
+    )
+    assert best_tree([[0.6, 0.2], [0.5, 0.1]], budget=2, max_depth=1)[1] == [(0,), (1,)]
+    assert best_tree([[0.6]], budget=0) == (1.0, [])
+    with pytest.raises(ValueError, match="budget"):
+        best_tree([[0.6]], budget=-1)
+
+
+@pytest.mark.parametrize("alpha, k", [(0.5, 1), (0.7, 4), (0.9, 6)])
+def test_chain_matches_closed_form(alpha, k):
+    """REFERENCE section 1: a chain of k drafts with iid acceptance alpha yields (1 - alpha^(k+1)) / (1 - alpha)."""
+    expected, paths = best_tree([[alpha]] * k, budget=k)
+    assert paths == [(0,) * d for d in range(1, k + 1)]
+    assert expected == pytest.approx((1 - alpha ** (k + 1)) / (1 - alpha))
+
+
+def test_best_tree_is_optimal_against_brute_force():
+    acceptance = [[0.5, 0.3, 0.1], [0.6, 0.2], [0.4, 0.35]]
+    all_nodes = [p for d in (1, 2, 3) for p in itertools.product(*(range(len(a)) for a in acceptance[:d]))]
+
+    def value(nodes):
+        return 1 + sum(torch.tensor([acceptance[i][r] for i, r in enumerate(p)]).prod().item() for p in nodes)
+
+    for budget in (1, 3, 5):
+        trees = [
+            c for c in itertools.combinations(all_nodes, budget) if all(p[:-1] in c or len(p) == 1 for p in c)
+        ]
+        assert best_tree(acceptance, budget)[0] == pytest.approx(max(value(t) for t in trees))
+
+
+def test_interpolate():
+    costs = {1: 10.0, 4: 16.0, 8: 20.0}
+    assert interpolate(costs, 1) == 10.0 and interpolate(costs, 2) == 12.0 and interpolate(costs, 6) == 18.0
+    assert interpolate(costs, 0) == 10.0 and interpolate(costs, 12) == 24.0  # flat below, last slope above
+
+
+def test_size_tree_trades_acceptance_against_cost():
+    acceptance = [[0.8, 0.1], [0.8, 0.1], [0.8, 0.1], [0.8, 0.1]]
+    grid = {"budgets": range(1, 9), "depths": range(1, 5), "top_ks": (1, 2)}
+    # Flat verify cost, free drafting: the biggest, deepest tree wins.
+    flat = size_tree(acceptance, {1: 1.0, 64: 1.0}, lambda n, d, k: 0.0, dynamic=True, **grid)
+    assert flat[0].tree == DynamicTree(depth=4, top_k=2, total_tokens=8)
+    # Every extra tree token costs as much as a target pass: no tree beats one draft token.
+    steep = size_tree(acceptance, {1: 1.0, 65: 65.0}, lambda n, d, k: 0.0, dynamic=True, **grid)
+    assert steep[0].draft_nodes == 1 and steep[0].expected_tokens == pytest.approx(1.8)
+    # Each draft step costs half a target pass: depth stays shallow.
+    slow_draft = size_tree(acceptance, {1: 1.0, 64: 1.0}, lambda n, d, k: 0.5 * d, dynamic=True, **grid)
+    assert slow_draft[0].depth < 4
+    for result in (flat, steep, slow_draft):
+        speeds = [c.tokens_per_second for c in result]
+        assert speeds == sorted(speeds, reverse=True)
+        assert len({(c.draft_nodes, c.depth, c.top_k) for c in result}) == len(result)
+    static = size_tree(acceptance, {1: 1.0, 64: 1.0}, lambda n, d, k: 0.0, dynamic=False, **grid)
+    assert static[0].tree == tuple(best_tree(acceptance, 8, 4, 2)[1])
+
+
+@pytest.mark.parametrize("tree", [[(0,), (1,), (0, 0), (1, 0), (0, 1), (0, 0, 0)], DynamicTree(3, 2, 6)])
+def test_measured_acceptance_predicts_tau(build_target, rank_oracle, tree):
+    """With a drafter whose rank probabilities are known, rank_acceptance recovers them and best_tree's
+    E[tokens] for the tree used matches the measured tau."""
+    model = build_target("llama")
+    probs = [0.6, 0.25]
+    sequence = generate(model, PROMPT, max_new_tokens=216).sequences[0].tolist()
+    runs = [generate(model, PROMPT, rank_oracle(sequence, 128, probs, seed=s), max_new_tokens=200, tree=tree)
+            for s in range(3)]  # fmt: skip
+    acceptance = rank_acceptance(runs)
+    assert len(acceptance) == 3
+    for depth in range(2):  # depths 1-2 have both ranks in the tree; depth 3 rank 0 only
+        assert acceptance[depth] == pytest.approx(probs, abs=0.08)
+    tau = sum(r.new_tokens - 1 for r in runs) / sum(r.steps for r in runs)
+    if isinstance(tree, list):
+        predicted = 1 + sum(torch.tensor([probs[r] for r in p]).prod().item() for p in tree)
+        assert best_tree([probs, probs, [probs[0]]], len(tree))[1] == sorted(tree, key=lambda p: (len(p), p))
+        assert tau == pytest.approx(predicted, rel=0.08)
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle3"])
+def test_measured_costs_are_positive_and_grow(build_target, kind):
+    model = build_target("llama")
+    context = torch.randint(0, 128, (1, 32), generator=torch.Generator().manual_seed(0))
+    costs = measure_verify_cost(model, context, [1, 4, 64], repeats=3)
+    assert set(costs) == {1, 4, 64} and all(c > 0 for c in costs.values())
+    assert costs[64] > costs[1]  # 64 tree tokens cost more than one, even on a tiny model
+    torch.manual_seed(0)
+    if kind == "medusa":
+        heads = MedusaHeads(MedusaConfig(hidden_size=32, vocab_size=128, num_heads=3)).eval()
+    else:
+        heads = EagleHead(EagleConfig.from_target(model.config, "eagle3", draft_vocab_size=64)).eval()
+        heads.set_draft_vocab(torch.randperm(128)[:64])
+    from decode.tree import build_tree
+
+    shallow, deep = (build_tree([(0,)]), build_tree([(0,), (0, 0), (0, 0, 0)]))
+    times = measure_propose_cost(model, heads, context, [shallow, deep], repeats=3)
+    assert len(times) == 2 and all(t > 0 for t in times)
+    if kind == "eagle3":
+        assert times[1] > times[0]  # EAGLE runs one draft step per level

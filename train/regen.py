@@ -1,0 +1,182 @@
+"""Self-distillation: answer training prompts with the target itself (REFERENCE section 2: the biggest lever on
+acceptance), batched, as resumable JSONL shards. Used by `scripts/regenerate.py`."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from tqdm.auto import tqdm
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+
+from train.data import BadRow, _render, read_rows, to_messages
+
+
+@torch.no_grad()
+def batched_generate(
+    model: PreTrainedModel,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    max_new_tokens: int,
+    stop_ids: set[int],
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> list[tuple[list[int], bool]]:
+    """Decode a left-padded batch, dropping each row from the batch (and its KV cache) as soon as it stops.
+
+    `model.generate` keeps finished rows in the batch until the longest reply ends; on a CPU, where a step's
+    cost grows with the rows in it, dropping them saves the long tail (replies vary from a few tokens to the
+    cap). Greedy rows equal unpadded greedy decoding of the same prompt up to floating-point ties.
+
+    Args:
+        model: the target, in eval mode.
+        input_ids, attention_mask: (B, L) left-padded prompts and their mask (1 = token, 0 = padding).
+        max_new_tokens: reply length cap.
+        stop_ids: tokens that end a reply (kept out of the returned reply).
+        temperature: 0 = greedy; > 0 samples softmax(logits / temperature), nothing else applied.
+        generator: random source for sampling.
+    Returns:
+        per row, (reply token ids without the stop token, whether a stop token ended it).
+    """
+    if input_ids.shape != attention_mask.shape or input_ids.dim() != 2:
+        raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} "
+                         "must be the same (B, L) shape")  # fmt: skip
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    device = input_ids.device
+    mask = attention_mask.to(device=device, dtype=torch.long)
+    position = (mask.cumsum(-1) - 1).clamp(min=0)  # left padding: each row's positions start at 0
+    cache = DynamicCache(config=model.config)
+    replies: list[list[int]] = [[] for _ in range(input_ids.shape[0])]
+    stopped = [False] * input_ids.shape[0]
+    alive = torch.arange(input_ids.shape[0], device=device)
+    step_input, step_position = input_ids, position
+    stop = torch.tensor(sorted(stop_ids), device=device)
+    for _ in range(max_new_tokens):
+        logits = model(
+            input_ids=step_input, attention_mask=mask, position_ids=step_position, cache=cache,
+            use_cache=True, logits_to_keep=1,
+        ).logits[:, -1].float()  # fmt: skip
+        if temperature > 0:
+            probs = torch.softmax(logits / temperature, dim=-1)
+            token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        else:
+            token = logits.argmax(-1)
+        ends = torch.isin(token, stop)
+        for row, value, end in zip(alive.tolist(), token.tolist(), ends.tolist()):
+            if end:
+                stopped[row] = True
+            else:
+                replies[row].append(value)
+        keep = (~ends).nonzero().squeeze(-1)
+        if keep.numel() == 0:
+            break
+        if keep.numel() < alive.numel():  # drop finished rows from the batch and the cache
+            alive, token, mask = alive[keep], token[keep], mask[keep]
+            step_position = step_position[keep]
+            cache.batch_select_indices(keep)
+        step_input = token[:, None]
+        step_position = step_position[:, -1:] + 1
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+    return [(reply, stop_flag) for reply, stop_flag in zip(replies, stopped)]
+
+
+def _prompt(row: dict) -> list[dict]:
+    """A prompt row's messages through its last user turn (a trailing reply is dropped)."""
+    messages = to_messages(row, require_assistant=False)
+    users = [i for i, message in enumerate(messages) if message["role"] == "user"]
+    if not users:
+        raise BadRow("no user turn to answer")
+    return messages[: users[-1] + 1]
+
+
+def _write_shard(path: Path, rows: list[dict]) -> None:
+    """Write a temp file and rename it into place, so a killed run never leaves half a shard."""
+    temp = path.with_name(f".{path.name}.tmp")
+    temp.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
+    os.replace(temp, path)
+
+
+@torch.no_grad()
+def regenerate(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    rows: Iterable[dict],
+    out_dir: str | Path,
+    batch_size: int = 16,
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    shard_size: int = 256,
+    seed: int = 0,
+) -> dict[str, int]:
+    """Answer every prompt with the target itself and write the chats as JSONL shards (self-distillation).
+
+    Resumable: ids in finished shards are skipped and new shards continue the numbering. Output rows are
+    {"id", "source", "messages": prompt + [{"role": "assistant", "content": reply}], "finish_reason"}, with
+    finish_reason "stop" (an end-of-sequence token ended the reply) or "length" (max_new_tokens hit).
+
+    Args:
+        model: the target, in eval mode.
+        tokenizer: its tokenizer, with the chat template the heads will be trained on.
+        rows: chat rows (`to_messages` formats) with a unique "id"; the prompt is everything through the last
+            user turn (a reply after it is dropped); "source" is copied if present.
+        out_dir: folder for shard-00000.jsonl, shard-00001.jsonl, ... (created).
+        batch_size: prompts decoded together (left-padded; finished rows leave the batch, `batched_generate`).
+        max_new_tokens: reply length cap.
+        temperature: 0 = greedy; > 0 samples softmax(logits / temperature).
+        shard_size: rows per shard; a killed run loses at most the shard in progress.
+        seed: sampling seed.
+    Returns:
+        {"skipped": rows already done, "generated": rows written now, "shards": shards written now}.
+    Raises:
+        BadRow: a row without "id" or without a user turn, or not a chat.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    done = {row["id"] for path in out.glob("shard-*.jsonl") for _, row in read_rows(path)}
+    todo, skipped = {}, 0
+    for row in rows:
+        if "id" not in row:
+            raise BadRow(f"prompt row without 'id' (keys: {sorted(row)})")
+        skipped += row["id"] in done
+        if row["id"] not in done and row["id"] not in todo:
+            todo[row["id"]] = {"id": row["id"], "source": row.get("source"), "messages": _prompt(row)}
+    todo = list(todo.values())
+    next_shard = max((int(p.stem.removeprefix("shard-")) for p in out.glob("shard-*.jsonl")), default=-1) + 1
+    eos = model.generation_config.eos_token_id
+    stop_ids = set(eos if isinstance(eos, list) else [tokenizer.eos_token_id if eos is None else eos])
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stop_ids)
+    generator = torch.Generator(device=model.device).manual_seed(seed)
+    decoding = {"skip_special_tokens": True, "clean_up_tokenization_spaces": False}  # the text as generated
+    padding_side, tokenizer.padding_side = tokenizer.padding_side, "left"  # decoder-only: pad on the left
+    pad_token, tokenizer.pad_token_id = tokenizer.pad_token_id, pad_id
+    bar = tqdm(total=len(todo), desc="regenerate", unit="prompt")
+    try:
+        for start in range(0, len(todo), shard_size):
+            chunk = todo[start : start + shard_size]
+            texts = [_render(tokenizer, row["messages"], generation_prompt=True) for row in chunk]
+            order = sorted(range(len(chunk)), key=lambda i: len(texts[i]))  # similar lengths: less padding
+            for b in range(0, len(order), batch_size):
+                batch = order[b : b + batch_size]
+                inputs = tokenizer(
+                    [texts[i] for i in batch], add_special_tokens=False, padding=True, return_tensors="pt"
+                ).to(model.device)
+                outputs = batched_generate(
+                    model, inputs["input_ids"], inputs["attention_mask"], max_new_tokens, stop_ids,
+                    temperature=temperature, generator=generator,
+                )  # fmt: skip
+                for i, (new_tokens, stopped) in zip(batch, outputs):
+                    reply = tokenizer.decode(new_tokens, **decoding)
+                    chunk[i]["messages"] = chunk[i]["messages"] + [{"role": "assistant", "content": reply}]
+                    chunk[i]["finish_reason"] = "stop" if stopped else "length"
+                bar.update(len(batch))
+            _write_shard(out / f"shard-{next_shard:05d}.jsonl", chunk)
+            next_shard += 1
+    finally:
+        tokenizer.padding_side, tokenizer.pad_token_id = padding_side, pad_token
+        bar.close()
+    return {"skipped": skipped, "generated": len(todo), "shards": -(-len(todo) // shard_size)}
