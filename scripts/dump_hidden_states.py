@@ -3,7 +3,10 @@
     python scripts/dump_hidden_states.py configs/eagle3_smollm2.yaml data.offline_dir=runs/states [k=v ...]
 
 Then train with the same config plus `data.hidden_states=offline data.offline_dir=runs/states`. Prints the
-size before writing; finished shards are kept when rerun.
+size before writing; finished shards are kept when rerun. Every dump also holds the target's final states,
+so a Medusa-1 run with the same data settings (train_files, max_length, eval split) reads the same dump:
+
+    python train/medusa.py configs/medusa1_smollm2.yaml data.hidden_states=offline data.offline_dir=runs/states
 """
 
 import sys

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import torch
 from accelerate.utils import DistributedType, set_seed
-from datasets import Dataset
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
@@ -29,7 +28,7 @@ from train.common import (StepLogger, backward_and_clip, check_finite, epoch_loa
 from train.config import EagleRunConfig, EagleTrainConfig, load_config, to_dict
 from train.data import draft_vocab_from_frequencies, token_frequencies
 from train.losses import eagle1_loss, eagle3_ttt_loss
-from train.offline import OfflineStates
+from train.offline import offline_rows
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -97,21 +96,6 @@ def draft_vocab_rows(head: EagleHead, target: nn.Module) -> Tensor | None:
     return target.get_output_embeddings().weight[head.t2d].detach().clone()
 
 
-def offline_rows(cfg: EagleRunConfig, head: EagleHead, target: nn.Module, train_set, pad_id: int):
-    """(rows to shuffle and shard, collate_fn): the tokenised set online; example indices into the dump
-    offline, whose batches carry `features` and the target's `logits` recomputed from the stored final state."""
-    if cfg.data.hidden_states == "online":
-        return train_set, None
-    states = OfflineStates(cfg.data.offline_dir, head.feature_layers,
-                           softcap=getattr(target.config.get_text_config(), "final_logit_softcapping", None))
-    if len(states) != len(train_set):
-        raise ValueError(f"{cfg.data.offline_dir} holds {len(states)} examples but the training set has "
-                         f"{len(train_set)}: rerun scripts/dump_hidden_states.py with this config")
-    lm_head = target.get_output_embeddings()
-    return (Dataset.from_dict({"index": list(range(len(train_set)))}),
-            lambda batch: states.batch([row["index"] for row in batch], pad_id, lm_head))
-
-
 @torch.no_grad()
 def eval_loss(step_module: nn.Module, target: nn.Module, capture: FeatureCapture, eval_set, cfg: EagleRunConfig,
               pad_id: int, accelerator, max_batches: int = 20) -> float | None:
@@ -163,7 +147,8 @@ def main(cfg: EagleRunConfig) -> None:
     step = start_or_resume(accelerator, cfg, out, num_steps)
 
     # 5. loop; hidden states come from the target online, or from a dump (scripts/dump_hidden_states.py)
-    rows, collate_fn = offline_rows(cfg, head, target, train_set, pad_id)
+    rows, collate_fn = offline_rows(cfg.data, train_set, pad_id, head.feature_layers, target.get_output_embeddings(),
+                                    softcap=getattr(target.config.get_text_config(), "final_logit_softcapping", None))
     draft_rows = draft_vocab_rows(head, target)  # EAGLE-3: the target's logits over the draft vocab only
     capture = FeatureCapture(target, head.feature_layers).__enter__()
     export_kwargs = dict(base_model=cfg.model.target, base_revision=cfg.model.revision, target=target)

@@ -29,6 +29,7 @@ from train.common import (StepLogger, backward_and_clip, check_finite, epoch_loa
                           whole_on_every_rank)
 from train.config import MedusaRunConfig, MedusaTrainConfig, load_config, to_dict
 from train.losses import masked_mean, medusa_loss_from_hidden
+from train.offline import offline_rows
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -53,11 +54,13 @@ class MedusaStep(nn.Module):
         return self.target if self.cfg.lora_r > 0 else self._frozen[0]
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor, loss_mask: Tensor,
-                lm_weight: float = 1.0) -> tuple[Tensor, dict[str, Tensor]]:
+                lm_weight: float = 1.0, hidden: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+        """`hidden`: the target's final states from an offline dump (Medusa-1 only); None runs the target."""
         joint = self.cfg.lora_r > 0
-        with torch.set_grad_enabled(joint and torch.is_grad_enabled()):
-            out = self.base(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
-        hidden = out.hidden_states[-1]  # after the final norm: what the lm_head (and decode-time capture) sees
+        if hidden is None or joint:
+            with torch.set_grad_enabled(joint and torch.is_grad_enabled()):
+                out = self.base(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
+            hidden = out.hidden_states[-1]  # after the final norm: what the lm_head (and decode capture) sees
         lm_head = self.base.get_output_embeddings() if self.cfg.share_lm_head else None
         head_loss, metrics = medusa_loss_from_hidden(self.heads, hidden, input_ids, loss_mask,
                                                      decay=self.cfg.decay, lm_head=lm_head)
@@ -91,9 +94,10 @@ def frozen_or_lora_target(cfg: MedusaRunConfig, accelerator) -> tuple[nn.Module,
 
 
 def main(cfg: MedusaRunConfig) -> None:
-    if cfg.data.hidden_states != "online":  # fail before any model loads
-        raise ValueError("data.hidden_states=offline is implemented for train/eagle.py only; the Medusa recipe "
-                         "runs the target online (Medusa-2 must: its LoRA changes the states)")
+    if cfg.data.hidden_states != "online" and cfg.medusa.lora_r > 0:  # fail before any model loads
+        raise ValueError("data.hidden_states=offline is for Medusa-1 only: Medusa-2 trains LoRA on the target, "
+                         "which changes its hidden states, so it must run the target online (medusa.lora_r=0 or "
+                         "data.hidden_states=online)")
     accelerator = make_accelerator(cfg.train)
     set_seed(cfg.train.seed)
     out = Path(cfg.train.output_dir)
@@ -128,19 +132,20 @@ def main(cfg: MedusaRunConfig) -> None:
     accelerator.register_for_checkpointing(scheduler)
     step = start_or_resume(accelerator, cfg, out, num_steps)
 
-    # 5. loop
+    # 5. loop; final states from the target online, or from a dump (scripts/dump_hidden_states.py, Medusa-1)
+    rows, collate_fn = offline_rows(cfg.data, train_set, pad_id, None, None)
     export_kwargs = dict(base_model=cfg.model.target, base_revision=cfg.model.revision, target=target)
     progress = tqdm(total=num_steps, initial=step, disable=not accelerator.is_main_process, desc="train")
     logger = StepLogger(accelerator, progress, cfg.train.log_every_steps)
     while step < num_steps:
         epoch, done = divmod(step, per_epoch)
-        loader = epoch_loader(train_set, cfg.train, cfg.data, epoch, pad_id, accelerator,
-                              skip_batches=done * cfg.train.gradient_accumulation_steps)
+        loader = epoch_loader(rows, cfg.train, cfg.data, epoch, pad_id, accelerator,
+                              skip_batches=done * cfg.train.gradient_accumulation_steps, collate_fn=collate_fn)
         for batch in loader:
             stage_one = step < cfg.medusa.heads_only_steps
             with accelerator.accumulate(step_module):
                 loss, metrics = step_module(batch["input_ids"], batch["attention_mask"], batch["loss_mask"],
-                                            lm_weight=0.0 if stage_one else 1.0)
+                                            lm_weight=0.0 if stage_one else 1.0, hidden=batch.get("last"))
                 check_finite(accelerator, loss, step, out)
                 # heads-only stage: LoRA weights do not move, and their gradients do not enter the clip norm
                 lora_idle = stage_one and len(optimizer.param_groups) > 1

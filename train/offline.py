@@ -66,16 +66,18 @@ def dump_hidden_states(target: nn.Module, dataset: Dataset, layer_ids: tuple[int
 
 
 class OfflineStates:
-    """Reads a dump; checks it holds the taps the head needs. Rows come back as the recipe's batches do."""
+    """Reads a dump; checks it holds the taps the head needs. Rows come back as the recipe's batches do.
+    `layer_ids=None` (Medusa: the final state only, which every dump holds) accepts any dump."""
 
-    def __init__(self, out_dir: str | Path, layer_ids: tuple[int, ...], softcap: float | None = None) -> None:
+    def __init__(self, out_dir: str | Path, layer_ids: tuple[int, ...] | None,
+                 softcap: float | None = None) -> None:
         self.root, self.softcap = Path(out_dir), softcap
         index_file = self.root / INDEX_FILE
         if not index_file.is_file():
             raise FileNotFoundError(f"{index_file}: no offline hidden states here; write them with "
                                     f"scripts/dump_hidden_states.py")
         self.index = json.loads(index_file.read_text())
-        if tuple(self.index["layer_ids"]) != tuple(layer_ids):
+        if layer_ids is not None and tuple(self.index["layer_ids"]) != tuple(layer_ids):
             raise ValueError(f"{self.root} holds taps {self.index['layer_ids']}, the head needs {list(layer_ids)}")
 
     def __len__(self) -> int:
@@ -86,8 +88,9 @@ class OfflineStates:
         with safe_open(shard, framework="pt") as tensors:  # memory-mapped: reads only this row's tensors
             return {k: tensors.get_tensor(f"{k}.{i}") for k in ("ids", "mask", "features", "last")}
 
-    def batch(self, indices: list[int], pad_id: int, lm_head: nn.Module) -> dict[str, Tensor]:
-        """Right-padded batch with `features` (B, T, F) and the target's `logits` (B, T, V) from `last`."""
+    def batch(self, indices: list[int], pad_id: int, lm_head: nn.Module | None) -> dict[str, Tensor]:
+        """Right-padded batch with `features` (B, T, F) and the target's `logits` (B, T, V) from `last`;
+        without `lm_head`, the final states themselves as `last` (B, T, H) instead of logits."""
         rows = [self.row(i) for i in indices]
         length = max(r["ids"].numel() for r in rows)
         out = {"input_ids": torch.full((len(rows), length), pad_id, dtype=torch.long),
@@ -100,6 +103,9 @@ class OfflineStates:
             out["input_ids"][b, :n], out["attention_mask"][b, :n] = r["ids"], 1
             out["loss_mask"][b, :n] = r["mask"].long()
             features[b, :n], last[b, :n] = r["features"], r["last"]
+        if lm_head is None:
+            out["last"] = last
+            return out
         weight = lm_head.weight
         with torch.no_grad():
             logits = lm_head(last.to(device=weight.device, dtype=weight.dtype))
@@ -108,3 +114,26 @@ class OfflineStates:
             out["logits"] = logits
         out["features"] = features.to(device=weight.device, dtype=weight.dtype)
         return out
+
+
+def offline_rows(data, train_set: Dataset, pad_id: int, layer_ids: tuple[int, ...] | None,
+                 lm_head: nn.Module | None, softcap: float | None = None):
+    """(rows to shuffle and shard, collate_fn) for a recipe: the tokenised set itself online (collate_fn None);
+    offline, example indices into the dump of `data.offline_dir`, whose batches `OfflineStates.batch` builds.
+
+    Args:
+        data: the run's DataConfig (hidden_states, offline_dir).
+        train_set: the tokenised training set the dump was written from (sizes must agree).
+        pad_id: padding token id.
+        layer_ids: taps the head needs (EAGLE), or None for the final state only (Medusa).
+        lm_head: the target's lm_head to recompute its logits (EAGLE), or None to pass the final states (Medusa).
+        softcap: the target's final logit soft-capping, if any.
+    """
+    if data.hidden_states == "online":
+        return train_set, None
+    states = OfflineStates(data.offline_dir, layer_ids, softcap=softcap)
+    if len(states) != len(train_set):
+        raise ValueError(f"{data.offline_dir} holds {len(states)} examples but the training set has "
+                         f"{len(train_set)}: rerun scripts/dump_hidden_states.py with this run's data settings")
+    return (Dataset.from_dict({"index": list(range(len(train_set)))}),
+            lambda batch: states.batch([row["index"] for row in batch], pad_id, lm_head))

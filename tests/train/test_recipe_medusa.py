@@ -54,8 +54,17 @@ def test_medusa1_resume_equals_uninterrupted(tmp_path, overrides):
 
 def test_medusa2_trains_lora_after_heads_only_stage(tmp_path, overrides):
     out = tmp_path / "m2"
-    run(overrides(out, *FAST, "medusa.lora_r=4", "medusa.heads_only_steps=1", "train.max_steps=3",
-                  "train.save_every_steps=1", "train.keep_checkpoints=3"))
+    run(
+        overrides(
+            out,
+            *FAST,
+            "medusa.lora_r=4",
+            "medusa.heads_only_steps=1",
+            "train.max_steps=3",
+            "train.save_every_steps=1",
+            "train.keep_checkpoints=3",
+        )
+    )
     assert (out / "lora" / "adapter_model.safetensors").is_file()
     lora = {k: v for k, v in load_file(out / "lora" / "adapter_model.safetensors").items() if "lora_B" in k}
     assert lora and any(v.abs().sum() > 0 for v in lora.values()), "LoRA B matrices never moved"
@@ -70,6 +79,31 @@ def test_bad_medusa_overrides_name_the_key(tmp_path, overrides, bad):
         load_config(MedusaRunConfig, TINY_YAML, overrides(tmp_path, bad))
 
 
-def test_offline_states_are_refused_before_loading(tmp_path, overrides):
-    with pytest.raises(ValueError, match="offline is implemented for train/eagle.py only"):
-        run(overrides(tmp_path, "data.hidden_states=offline", "data.offline_dir=/nonexistent"))
+def test_medusa2_refuses_offline_states_before_loading(tmp_path, overrides):
+    with pytest.raises(ValueError, match="offline is for Medusa-1 only"):
+        run(overrides(tmp_path, "medusa.lora_r=4", "data.hidden_states=offline", "data.offline_dir=/nonexistent"))
+
+
+def test_medusa1_offline_equals_online(tmp_path, overrides, tiny_target_dir, chat_file):
+    """Medusa-1 reads the final states of any dump (here one written for EAGLE-3 taps) and trains the same
+    heads as with the target online."""
+    from train.data import build_dataset
+    from train.offline import dump_hidden_states
+
+    model, tokenizer = load_target(str(tiny_target_dir))
+    dataset, _ = build_dataset([str(chat_file)], tokenizer, 64, 0.5)  # tiny_test.yaml's max_length
+    dump_hidden_states(model, dataset, (0, 1, 2), tmp_path / "states", shard_size=8)
+    fast = [*FAST, "data.eval_fraction=0", "train.max_steps=3"]  # the dump covers the whole file
+    run(overrides(tmp_path / "online", *fast))
+    run(
+        overrides(
+            tmp_path / "offline", *fast, "data.hidden_states=offline", f"data.offline_dir='{tmp_path / 'states'}'"
+        )
+    )
+    online = load_file(tmp_path / "online" / "head" / "model.safetensors")
+    offline = load_file(tmp_path / "offline" / "head" / "model.safetensors")
+    assert online.keys() == offline.keys()
+    for key in online:
+        torch.testing.assert_close(offline[key], online[key], atol=1e-5, rtol=1e-4, msg=key)
+    moved = [k for k in online if "blocks" in k and online[k].abs().sum() > 0]  # ResBlocks start at zero
+    assert moved, "the heads never trained"
