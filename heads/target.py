@@ -234,3 +234,26 @@ def target_id(model: PreTrainedModel) -> str:
     if marker is not None and marker.is_file():
         return json.loads(marker.read_text())["target_id"]
     return name
+
+
+def merge_lora(model: PreTrainedModel, adapter_dir: str | Path) -> PreTrainedModel:
+    """The target with a LoRA adapter (a Medusa-2 run's `output_dir/lora`) merged into its weights, frozen.
+
+    Medusa-2 heads are trained on the adapted target, so they draft for it, and lossless decoding reproduces
+    the adapted target (not the original one). Reads the adapter's safetensors only (never a pickle).
+    `model` itself is modified (peft injects and then merges the adapter layers): pass a fresh copy.
+
+    Raises:
+        FileNotFoundError: no `adapter_config.json` + `adapter_model.safetensors` in `adapter_dir`.
+        ImportError: peft is not installed (`pip install -e ".[train]"`).
+    """
+    folder = Path(adapter_dir)
+    missing = [n for n in ("adapter_config.json", "adapter_model.safetensors") if not (folder / n).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{folder}: not a safetensors LoRA adapter (missing {', '.join(missing)})")
+    try:
+        from peft import PeftModel
+    except ImportError as error:
+        raise ImportError("merging a LoRA adapter needs peft: pip install -e '.[train]'") from error
+    merged = PeftModel.from_pretrained(model, str(folder), is_trainable=False).merge_and_unload()
+    return merged.eval().requires_grad_(False)

@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 from decode import generate
 from heads import MedusaHeads, load_heads
-from heads.target import load_target
+from heads.target import load_target, merge_lora
 from train.config import MedusaRunConfig, load_config
 from train.medusa import main
 
@@ -52,7 +52,7 @@ def test_medusa1_resume_equals_uninterrupted(tmp_path, overrides):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_medusa2_trains_lora_after_heads_only_stage(tmp_path, overrides):
+def test_medusa2_trains_lora_after_heads_only_stage(tmp_path, overrides, tiny_target_dir):
     out = tmp_path / "m2"
     run(
         overrides(
@@ -71,6 +71,16 @@ def test_medusa2_trains_lora_after_heads_only_stage(tmp_path, overrides):
     step1 = load_file(out / "state" / "step-1" / "model.safetensors")
     lora_b_step1 = [v for k, v in step1.items() if "lora_B" in k]
     assert lora_b_step1 and all(v.abs().sum() == 0 for v in lora_b_step1), "LoRA moved in the heads-only stage"
+    # Decoding: the heads draft for the adapted target; output equals plain decoding of the merged target.
+    base, _ = load_target(str(tiny_target_dir))
+    merged = merge_lora(load_target(str(tiny_target_dir))[0], out / "lora")
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    assert not torch.allclose(merged(ids).logits, base(ids).logits)  # the adapter changed the target
+    heads = load_heads(out / "head", target=merged)
+    plain = generate(merged, ids, max_new_tokens=16)
+    assert torch.equal(generate(merged, ids, heads, max_new_tokens=16).sequences, plain.sequences)
+    with pytest.raises(FileNotFoundError, match="not a safetensors LoRA adapter"):
+        merge_lora(base, out / "head")
 
 
 @pytest.mark.parametrize("bad", ["medusa.num_heads=two", "medusa.unknown=1"])
