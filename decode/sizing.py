@@ -26,10 +26,11 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from decode.generate import GenerateOutput
+from decode.generate import GenerateOutput, generate
 from decode.propose import make_drafter, propose
-from decode.tree import DraftTree, DynamicTree, TreeBuffers
+from decode.tree import DraftTree, DynamicTree, TreeBuffers, build_tree
 from decode.verify import verify
+from heads.eagle import EagleHead
 from heads.features import FeatureCapture
 
 
@@ -223,3 +224,91 @@ def measure_propose_cost(
         )
         for tree in trees
     ]
+
+
+@dataclass
+class Calibration:
+    """What `calibrate` measured for one head on one machine, and the search over trees it allows."""
+
+    acceptance: list[list[float]]     # a[d-1][r], from `rank_acceptance`
+    verify_cost: dict[int, float]     # seconds of one target forward over n tree tokens
+    candidates: list[Candidate]       # best first; empty when no draft was ever accepted
+    measure_propose: Callable[[DynamicTree | list[tuple[int, ...]]], float]  # seconds to draft a given tree
+
+    @property
+    def plain_tokens_per_second(self) -> float:
+        return 1.0 / self.verify_cost[1]
+
+    def predict(self, tree: DynamicTree | Sequence[Sequence[int]]) -> dict[str, float]:
+        """E[tokens], costs and tokens/s of a given tree (a DynamicTree's E is that of the best-first static
+        tree of its size: an approximation of its confidence-driven shape); its drafting cost is measured."""
+        if isinstance(tree, DynamicTree):
+            expected, _ = best_tree(self.acceptance, tree.total_tokens, tree.depth, tree.top_k)
+            nodes, depth, top_k = tree.total_tokens, tree.depth, tree.top_k
+        else:
+            paths = [tuple(p) for p in tree]
+            expected = 1.0
+            for path in paths:
+                probability = 1.0
+                for d, r in enumerate(path):
+                    probability *= self.acceptance[d][r] if d < len(self.acceptance) and r < len(self.acceptance[d]) \
+                        else 0.0  # fmt: skip
+                expected += probability
+            nodes, depth, top_k = len(paths), max(map(len, paths)), 1 + max(max(p) for p in paths)
+        verify_seconds = interpolate(self.verify_cost, nodes + 1)
+        propose_seconds = self.measure_propose(tree if isinstance(tree, DynamicTree) else [tuple(p) for p in tree])
+        return {"draft_nodes": nodes, "depth": depth, "top_k": top_k, "expected_tokens": expected,
+                "verify_seconds": verify_seconds, "propose_seconds": propose_seconds,
+                "tokens_per_second": expected / (verify_seconds + propose_seconds)}  # fmt: skip
+
+
+@torch.no_grad()
+def calibrate(model: nn.Module, heads: nn.Module, prompts: Sequence[torch.Tensor], *, max_new_tokens: int = 64,
+              verify_sizes: Sequence[int] = (1, 2, 4, 8, 12, 16, 24, 32, 48), max_depth: int = 6, max_top_k: int = 4,
+              repeats: int = 3) -> Calibration:
+    """Measure, on this machine, everything the cost model needs, and search the best tree for `heads`.
+
+    1. Acceptance per (depth, rank): greedy decoding of `prompts` with a wide probe tree (EAGLE: dynamic, depth
+       `max_depth`, top_k `max_top_k`, 48 nodes; Medusa: the top `max_top_k` candidates of every head below
+       the top-1 chain). Use prompts the benchmark does not score: the choice is then not fitted to them.
+    2. C_T(n): the target's verify forward over n tokens above the first prompt, for n in `verify_sizes`.
+    3. Drafting cost: EAGLE per (depth, top_k) shape (one draft forward per level); Medusa once (its heads run
+       once per step whatever the tree).
+    4. `size_tree` over draft budgets 1 .. max(verify_sizes) - 1, depths and top_k up to the measured ones.
+
+    Args:
+        model: the target.
+        heads: MedusaHeads or EagleHead.
+        prompts: (1, T) prompt ids.
+    """
+    eagle = isinstance(heads, EagleHead)
+    if eagle:
+        probe: TreeBuffers | DynamicTree = DynamicTree(depth=max_depth, top_k=max_top_k, total_tokens=48)
+    else:
+        probe = build_tree([(0,) * d + (r,) for d in range(heads.config.num_heads) for r in range(max_top_k)])
+    runs = [generate(model, ids, heads, max_new_tokens=max_new_tokens, tree=probe) for ids in prompts]
+    acceptance = rank_acceptance(runs)
+    context = prompts[0]
+    verify_cost = measure_verify_cost(model, context, verify_sizes, repeats)
+
+    def measure_propose(tree) -> float:
+        spec = tree if isinstance(tree, DynamicTree) else build_tree(tree)
+        return measure_propose_cost(model, heads, context, [spec], repeats)[0]
+
+    depths = range(1, min(max_depth, len(acceptance)) + 1)
+    top_ks = range(1, max_top_k + 1)
+    budgets = range(1, max(verify_sizes))
+    if eagle:  # one measurement per (depth, top_k) shape, at the largest budget
+        by_shape = {(d, k): measure_propose(DynamicTree(d, k, budgets[-1])) for d in depths for k in top_ks}
+
+        def propose_cost(n: int, d: int, k: int) -> float:
+            return by_shape[(d, k)]
+    else:
+        medusa_seconds = measure_propose([(0,)])
+
+        def propose_cost(n: int, d: int, k: int) -> float:
+            return medusa_seconds
+
+    candidates = size_tree(acceptance, verify_cost, propose_cost, dynamic=eagle, budgets=budgets, depths=depths,
+                           top_ks=top_ks)  # fmt: skip
+    return Calibration(acceptance, verify_cost, candidates, measure_propose)

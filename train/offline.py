@@ -67,7 +67,8 @@ def dump_hidden_states(target: nn.Module, dataset: Dataset, layer_ids: tuple[int
 
 class OfflineStates:
     """Reads a dump; checks it holds the taps the head needs. Rows come back as the recipe's batches do.
-    `layer_ids=None` (Medusa: the final state only, which every dump holds) accepts any dump."""
+    Every dump holds the final state, so `layer_ids=None` (Medusa) and `(LAST,)` (EAGLE-1, whose feature is
+    that state) accept any dump, e.g. one written for EAGLE-3's taps."""
 
     def __init__(self, out_dir: str | Path, layer_ids: tuple[int, ...] | None,
                  softcap: float | None = None) -> None:
@@ -77,7 +78,8 @@ class OfflineStates:
             raise FileNotFoundError(f"{index_file}: no offline hidden states here; write them with "
                                     f"scripts/dump_hidden_states.py")
         self.index = json.loads(index_file.read_text())
-        if layer_ids is not None and tuple(self.index["layer_ids"]) != tuple(layer_ids):
+        self.features_are_last = layer_ids is not None and tuple(layer_ids) == (LAST,)
+        if layer_ids is not None and not self.features_are_last and tuple(self.index["layer_ids"]) != tuple(layer_ids):
             raise ValueError(f"{self.root} holds taps {self.index['layer_ids']}, the head needs {list(layer_ids)}")
 
     def __len__(self) -> int:
@@ -86,7 +88,9 @@ class OfflineStates:
     def row(self, i: int) -> dict[str, Tensor]:
         shard = self.root / self.index["shards"][i // self.index["shard_size"]]
         with safe_open(shard, framework="pt") as tensors:  # memory-mapped: reads only this row's tensors
-            return {k: tensors.get_tensor(f"{k}.{i}") for k in ("ids", "mask", "features", "last")}
+            row = {k: tensors.get_tensor(f"{k}.{i}") for k in ("ids", "mask", "last")}
+            row["features"] = row["last"] if self.features_are_last else tensors.get_tensor(f"features.{i}")
+        return row
 
     def batch(self, indices: list[int], pad_id: int, lm_head: nn.Module | None) -> dict[str, Tensor]:
         """Right-padded batch with `features` (B, T, F) and the target's `logits` (B, T, V) from `last`;

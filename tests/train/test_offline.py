@@ -40,6 +40,22 @@ def test_offline_training_equals_online(tmp_path, overrides, run_recipe, tiny_ta
     assert cfg.data.hidden_states == "online"
 
 
+def test_eagle1_trains_offline_from_an_eagle3_dump(tmp_path, overrides, run_recipe, tiny_target_dir, chat_file):
+    """EAGLE-1's feature is the final state, which every dump holds: an EAGLE-3 dump serves it too."""
+    model, _ = load_target(str(tiny_target_dir))
+    from heads import EagleConfig
+
+    _dump(tiny_target_dir, chat_file, tmp_path / "states", EagleConfig.from_target(model.config, "eagle3").aux_layer_ids)
+    eagle1 = [*FAST[:1], *FAST[2:], "eagle.head_type=eagle1"]  # no draft vocabulary for EAGLE-1
+    run_recipe(overrides(tmp_path / "online", *eagle1))
+    run_recipe(overrides(tmp_path / "offline", *eagle1, "data.hidden_states=offline",
+                         f"data.offline_dir='{tmp_path / 'states'}'"))
+    online = load_file(tmp_path / "online" / "head" / "model.safetensors")
+    offline = load_file(tmp_path / "offline" / "head" / "model.safetensors")
+    for key in online:
+        torch.testing.assert_close(offline[key], online[key], atol=1e-5, rtol=1e-4, msg=key)
+
+
 def test_offline_states_refuse_other_taps_and_missing_dump(tmp_path, tiny_target_dir, chat_file):
     _dump(tiny_target_dir, chat_file, tmp_path / "states", (0, 1))
     with pytest.raises(ValueError, match=r"holds taps \[0, 1\], the head needs \[0, 2\]"):

@@ -1,0 +1,73 @@
+"""scripts/bench.py end to end on a tiny target with the real tokenizer: every method (plain, prompt lookup,
+Medusa-1, Medusa-2 on its LoRA-merged target, EAGLE-1, EAGLE-3 static / dynamic / cost-model sized) at T=0 and
+T=1 on the three prompt categories; tables, JSON and plots are written and the numbers hang together."""
+
+import json
+import runpy
+from pathlib import Path
+
+import pytest
+import torch
+
+from heads import EagleConfig, EagleHead, MedusaConfig, MedusaHeads, save_heads
+from heads.target import load_target
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench.py"
+
+
+@pytest.fixture(scope="module")
+def head_dirs(tiny_target_dir, tmp_path_factory):
+    """Random heads for the tiny target (Medusa initialised from its lm_head, so loops of one token are
+    drafted right) and a Medusa-2 run folder with a LoRA adapter."""
+    from peft import LoraConfig, get_peft_model
+
+    root = tmp_path_factory.mktemp("heads")
+    model, _ = load_target(str(tiny_target_dir))
+    torch.manual_seed(0)
+    medusa = MedusaHeads(MedusaConfig(32, model.config.vocab_size, num_heads=3)).eval()
+    medusa.init_from_lm_head(model.get_output_embeddings().weight)
+    save_heads(medusa, root / "medusa1", base_model=str(tiny_target_dir))
+    save_heads(medusa, root / "medusa2" / "head", base_model=str(tiny_target_dir))
+    lora = get_peft_model(load_target(str(tiny_target_dir))[0], LoraConfig(r=2, target_modules=["q_proj"]))
+    lora.save_pretrained(root / "medusa2" / "lora", safe_serialization=True)
+    for kind in ("eagle1", "eagle3"):
+        extra = {"draft_vocab_size": 512} if kind == "eagle3" else {}
+        head = EagleHead(EagleConfig.from_target(model.config, kind, **extra)).eval()
+        if kind == "eagle3":
+            head.set_draft_vocab(torch.arange(512))
+        save_heads(head, root / kind, base_model=str(tiny_target_dir))
+    return root
+
+
+def test_bench_runs_every_method_and_writes_reports(tmp_path, tiny_target_dir, head_dirs, capsys):
+    bench = runpy.run_path(str(SCRIPT))
+    out = tmp_path / "out"
+    results = bench["main"]([
+        "--model", str(tiny_target_dir), "--eagle3", str(head_dirs / "eagle3"), "--eagle1", str(head_dirs / "eagle1"),
+        "--medusa1", str(head_dirs / "medusa1"), "--medusa2", str(head_dirs / "medusa2"), "--prompts", "1",
+        "--calibration-prompts", "1", "--max-new-tokens", "12", "--temperatures", "0", "1", "--size-tree",
+        "--repeats", "1", "--threads", "1", "--out", str(out),
+    ])  # fmt: skip
+    printed = capsys.readouterr().out
+    assert "### Temperature 0: tau / speedup per category" in printed and "### Temperature 1" in printed
+    assert sorted(p.name for p in out.iterdir()) == ["acceptance.png", "bench.json", "bench.md", "speedup_vs_tree.png"]
+    assert json.loads((out / "bench.json").read_text())["rows"] == results["rows"]
+    methods = {r["method"] for r in results["rows"]}
+    assert {"prompt lookup", "Medusa-1", "Medusa-2", "EAGLE-1", "EAGLE-3 static", "EAGLE-3 dynamic"} <= methods
+    for row in results["rows"]:
+        assert row["temperature"] in (0.0, 1.0) and row["category"] in ("chat", "instruction", "code", "all")
+        assert row["tau"] >= 1.0 and row["speedup"] > 0 and row["tokens_per_second"] > 0
+        assert all(0.0 <= a <= 1.0 for a in row["acceptance_per_depth"])
+        if row["method"] == "prompt lookup":
+            assert row["acceptance_per_depth"] == [] and row["draft_nodes_per_step"] == 0
+        else:
+            assert row["draft_nodes_per_step"] > 0
+    cells = {(r["method"], r["temperature"], r["category"]) for r in results["rows"]}
+    assert len(cells) == len(results["rows"])  # one row per method, temperature and category
+    assert {c for (_, _, c) in cells} == {"chat", "instruction", "code", "all"}
+    for name in ("eagle3", "medusa1"):
+        sizing = results["sizing"][name]
+        assert set(sizing["verify_ms"]) and all(ms > 0 for ms in sizing["verify_ms"].values())
+        speeds = [c["predicted_speedup"] for c in sizing["candidates"]]
+        assert speeds == sorted(speeds, reverse=True)
+        assert sizing["chosen"] in printed
