@@ -22,6 +22,13 @@ def _dump(tiny_target_dir, chat_file, out, layer_ids):
     return model, dataset
 
 
+def _assert_same_head(a: Path, b: Path) -> None:
+    first, second = load_file(a / "head" / "model.safetensors"), load_file(b / "head" / "model.safetensors")
+    assert first.keys() == second.keys()
+    for key in first:
+        torch.testing.assert_close(second[key], first[key], atol=1e-5, rtol=1e-4, msg=key)
+
+
 def test_offline_training_equals_online(tmp_path, overrides, run_recipe, tiny_target_dir, chat_file, capsys):
     cfg = load_config(EagleRunConfig, TINY_YAML, overrides(tmp_path / "x", *FAST))
     model, _ = load_target(str(tiny_target_dir))
@@ -33,10 +40,7 @@ def test_offline_training_equals_online(tmp_path, overrides, run_recipe, tiny_ta
     run_recipe(overrides(tmp_path / "online", *FAST))
     run_recipe(overrides(tmp_path / "offline", *FAST, "data.hidden_states=offline",
                          f"data.offline_dir='{tmp_path / 'states'}'"))
-    online = load_file(tmp_path / "online" / "head" / "model.safetensors")
-    offline = load_file(tmp_path / "offline" / "head" / "model.safetensors")
-    for key in online:
-        torch.testing.assert_close(offline[key], online[key], atol=1e-5, rtol=1e-4, msg=key)
+    _assert_same_head(tmp_path / "online", tmp_path / "offline")
     assert cfg.data.hidden_states == "online"
 
 
@@ -50,10 +54,7 @@ def test_eagle1_trains_offline_from_an_eagle3_dump(tmp_path, overrides, run_reci
     run_recipe(overrides(tmp_path / "online", *eagle1))
     run_recipe(overrides(tmp_path / "offline", *eagle1, "data.hidden_states=offline",
                          f"data.offline_dir='{tmp_path / 'states'}'"))
-    online = load_file(tmp_path / "online" / "head" / "model.safetensors")
-    offline = load_file(tmp_path / "offline" / "head" / "model.safetensors")
-    for key in online:
-        torch.testing.assert_close(offline[key], online[key], atol=1e-5, rtol=1e-4, msg=key)
+    _assert_same_head(tmp_path / "online", tmp_path / "offline")
 
 
 def test_offline_states_refuse_other_taps_and_missing_dump(tmp_path, tiny_target_dir, chat_file):
