@@ -62,29 +62,28 @@ class Tally:
     tokens: int = 0
     seconds: float = 0.0
     steps: int = 0
-    emitted: int = 0  # tokens emitted by verify steps (new tokens - 1 per prompt)
+    emitted: int = 0  # tokens emitted by verify steps (the prefill emits each prompt's first one)
     per_depth: list[int] = field(default_factory=list)
     draft_nodes: int = 0
     plain_tokens: int = 0
     plain_seconds: float = 0.0
     ratios: list[float] = field(default_factory=list)  # per-prompt speedups
+    identical: list[bool] = field(default_factory=list)  # per prompt: same tokens as plain decoding
 
-    def add(self, tokens, seconds, steps, emitted, per_depth, draft_nodes, plain_tokens, plain_seconds):
-        self.tokens, self.seconds, self.steps, self.emitted = (
-            self.tokens + tokens,
-            self.seconds + seconds,
-            self.steps + steps,
-            self.emitted + emitted,
-        )
-        self.per_depth += [0] * (len(per_depth) - len(self.per_depth))
-        for d, count in enumerate(per_depth):
+    def add(self, result: dict, plain: dict) -> None:
+        """One prompt's run of the method (`result`) and of plain decoding on the same target (`plain`)."""
+        self.tokens += result["tokens"]
+        self.seconds += result["seconds"]
+        self.steps += result["steps"]
+        self.emitted += result["tokens"] - 1
+        self.per_depth += [0] * (len(result["per_depth"]) - len(self.per_depth))
+        for d, count in enumerate(result["per_depth"]):
             self.per_depth[d] += count
-        self.draft_nodes += draft_nodes
-        self.plain_tokens, self.plain_seconds = (
-            self.plain_tokens + plain_tokens,
-            self.plain_seconds + plain_seconds,
-        )
-        self.ratios.append((tokens / seconds) / (plain_tokens / plain_seconds))
+        self.draft_nodes += result["draft_nodes"]
+        self.plain_tokens += plain["tokens"]
+        self.plain_seconds += plain["seconds"]
+        self.ratios.append((result["tokens"] / result["seconds"]) / (plain["tokens"] / plain["seconds"]))
+        self.identical.append(torch.equal(result["sequences"], plain["sequences"]))
 
     def summary(self) -> dict:
         rates, prev = [], self.steps
@@ -92,17 +91,12 @@ class Tally:
             rates.append(count / prev if prev else 0.0)
             prev = count
         tok_s, plain_tok_s = self.tokens / self.seconds, self.plain_tokens / self.plain_seconds
-        return {
-            "tau": self.emitted / self.steps if self.steps else 1.0,
-            "acceptance_per_depth": rates,
-            "tokens_per_second": tok_s,
-            "plain_tokens_per_second": plain_tok_s,
-            "speedup": tok_s / plain_tok_s,
-            "speedup_median_of_prompts": statistics.median(self.ratios),
-            "draft_nodes_per_step": self.draft_nodes / self.steps if self.steps else 0.0,
-            "tokens": self.tokens,
-            "prompts": len(self.ratios),
-        }
+        return {"tau": self.emitted / self.steps if self.steps else 1.0, "acceptance_per_depth": rates,
+                "tokens_per_second": tok_s, "plain_tokens_per_second": plain_tok_s, "speedup": tok_s / plain_tok_s,
+                "speedup_median_of_prompts": statistics.median(self.ratios),
+                "draft_nodes_per_step": self.draft_nodes / self.steps if self.steps else 0.0,
+                "tokens": self.tokens, "prompts": len(self.ratios),
+                "identical_to_plain": sum(self.identical)}  # fmt: skip
 
 
 def load_prompts(n: int, calibration: int) -> tuple[dict[str, list[dict]], list[dict]]:
@@ -112,18 +106,13 @@ def load_prompts(n: int, calibration: int) -> tuple[dict[str, list[dict]], list[
     instruction = [r for r in rows if r["source"] not in CHAT_SOURCES]
     code = [json.loads(line) for line in (DATA / "prompts_code_eval.jsonl").read_text().splitlines()]
     if n + calibration > len(chat):
-        raise SystemExit(
-            f"--prompts {n} + --calibration-prompts {calibration} exceed the {len(chat)} chat prompts"
-        )
-    return {"chat": chat[:n], "instruction": instruction[:n], "code": code[:n]}, chat[
-        len(chat) - calibration :
-    ]
+        raise SystemExit(f"--prompts {n} + --calibration-prompts {calibration} exceed the {len(chat)} chat prompts")
+    return {"chat": chat[:n], "instruction": instruction[:n], "code": code[:n]}, chat[len(chat) - calibration :]
 
 
 def prompt_ids(tokenizer, row: dict) -> torch.Tensor:
-    return tokenizer.apply_chat_template(
-        row["messages"], add_generation_prompt=True, return_dict=True, return_tensors="pt"
-    )["input_ids"]
+    return tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True, return_dict=True,
+                                         return_tensors="pt")["input_ids"]  # fmt: skip
 
 
 class ForwardCounter:
@@ -145,50 +134,20 @@ def run_lookup(model, ids: torch.Tensor, max_new_tokens: int, temperature: float
     torch.manual_seed(seed)
     start = time.perf_counter()
     try:
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_new_tokens,
-            prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS,
-            **sampling,
-        )
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS, **sampling)  # fmt: skip
     finally:
         counter.remove()
     seconds = time.perf_counter() - start
-    new = out.shape[1] - ids.shape[1]
-    return {
-        "sequences": out,
-        "tokens": new,
-        "seconds": seconds,
-        "steps": counter.calls - 1,
-        "emitted": new - 1,
-        "per_depth": [],
-        "draft_nodes": 0,
-    }
+    return {"sequences": out, "tokens": out.shape[1] - ids.shape[1], "seconds": seconds,
+            "steps": counter.calls - 1, "per_depth": [], "draft_nodes": 0}  # fmt: skip
 
 
-def run_ours(
-    model, ids: torch.Tensor, method: Method, max_new_tokens: int, temperature: float, seed: int
-) -> dict:
-    out = generate(
-        model,
-        ids,
-        method.heads,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        tree=method.tree,
-        seed=seed,
-    )
-    return {
-        "sequences": out.sequences,
-        "tokens": out.new_tokens,
-        "seconds": out.seconds,
-        "steps": out.steps,
-        "emitted": out.new_tokens - 1,
-        "per_depth": out.accepted_per_depth,
-        "draft_nodes": out.draft_nodes,
-        "output": out,
-    }
+def run_ours(model, ids: torch.Tensor, method: Method, max_new_tokens: int, temperature: float, seed: int) -> dict:
+    out = generate(model, ids, method.heads, max_new_tokens=max_new_tokens, temperature=temperature,
+                   tree=method.tree, seed=seed)  # fmt: skip
+    return {"sequences": out.sequences, "tokens": out.new_tokens, "seconds": out.seconds, "steps": out.steps,
+            "per_depth": out.accepted_per_depth, "draft_nodes": out.draft_nodes}  # fmt: skip
 
 
 def as_tree(tree) -> DynamicTree | list[tuple[int, ...]]:
@@ -284,40 +243,30 @@ def plots(results: dict, out: Path) -> list[str]:
     return written
 
 
-def build_methods(args, model) -> tuple[list[Method], dict[str, torch.nn.Module]]:
+def build_methods(args, model) -> tuple[list[Method], dict, dict]:
+    """The methods to compare, the loaded heads by name, and the targets ("medusa2": the LoRA-merged one)."""
+    loaded = {name: load_heads(path, target=model) for name, path in
+              (("medusa1", args.medusa1), ("eagle1", args.eagle1), ("eagle3", args.eagle3)) if path}  # fmt: skip
+    targets = {"base": model}
     methods = [Method("prompt lookup", kind="lookup", tree_label=f"{PROMPT_LOOKUP_TOKENS} tokens")]
-    loaded = {}
-    for name, path in (("medusa1", args.medusa1), ("eagle1", args.eagle1), ("eagle3", args.eagle3)):
-        if path:
-            loaded[name] = load_heads(path, target=model)
     if args.medusa2:
-        loaded["medusa2"] = Path(args.medusa2)
-    if "medusa1" in loaded:
-        tree = [p for p in DEFAULT_TREES["tree16"] if len(p) <= loaded["medusa1"].config.num_heads]
-        methods.append(Method("Medusa-1", loaded["medusa1"], tree, tree_label="static tree16"))
-    if "medusa2" in loaded:
-        methods.append(Method("Medusa-2", None, None, target="medusa2", tree_label="static tree16"))
+        targets["medusa2"] = merge_lora(load_target(args.model)[0], Path(args.medusa2) / "lora")
+        loaded["medusa2"] = load_heads(Path(args.medusa2) / "head", target=targets["medusa2"])
+    for name, label, target in (("medusa1", "Medusa-1", "base"), ("medusa2", "Medusa-2", "medusa2")):
+        if name in loaded:
+            tree = [p for p in DEFAULT_TREES["tree16"] if len(p) <= loaded[name].config.num_heads]
+            methods.append(Method(label, loaded[name], tree, target=target, tree_label="static tree16"))
+    dynamic = tree_label(DEFAULT_EAGLE_TREE)
     if "eagle1" in loaded:
-        methods.append(
-            Method("EAGLE-1", loaded["eagle1"], DEFAULT_EAGLE_TREE, tree_label=tree_label(DEFAULT_EAGLE_TREE))
-        )
+        methods.append(Method("EAGLE-1", loaded["eagle1"], DEFAULT_EAGLE_TREE, tree_label=dynamic))
     if "eagle3" in loaded:
         methods.append(Method("EAGLE-3 static", loaded["eagle3"], "tree8", tree_label=tree_label("tree8")))
-        methods.append(
-            Method(
-                "EAGLE-3 dynamic",
-                loaded["eagle3"],
-                DEFAULT_EAGLE_TREE,
-                tree_label=tree_label(DEFAULT_EAGLE_TREE),
-            )
-        )
-    return methods, loaded
+        methods.append(Method("EAGLE-3 dynamic", loaded["eagle3"], DEFAULT_EAGLE_TREE, tree_label=dynamic))
+    return methods, loaded, targets
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=DEFAULT_TARGET)
     parser.add_argument("--eagle3", help="EAGLE-3 head folder")
     parser.add_argument("--eagle1", help="EAGLE-1 head folder")
@@ -327,9 +276,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--calibration-prompts", type=int, default=4, help="chat prompts for --size-tree")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
-    parser.add_argument(
-        "--size-tree", action="store_true", help="add cost-model-sized trees (EAGLE-3, Medusa-1)"
-    )
+    parser.add_argument("--size-tree", action="store_true", help="add cost-model-sized trees (EAGLE-3, Medusa-1)")
     parser.add_argument("--repeats", type=int, default=3, help="timing repeats of the cost measurements")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--seed", type=int, default=0)
@@ -340,90 +287,24 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_grad_enabled(False)
     args.out.mkdir(parents=True, exist_ok=True)
     model, tokenizer = load_target(args.model)
-    methods, loaded = build_methods(args, model)
-    targets = {"base": model}
-    if "medusa2" in loaded:
-        targets["medusa2"] = merge_lora(load_target(args.model)[0], loaded["medusa2"] / "lora")
-        heads2 = load_heads(loaded["medusa2"] / "head", target=targets["medusa2"])
-        for m in methods:
-            if m.name == "Medusa-2":
-                m.heads = heads2
-                m.tree = [p for p in DEFAULT_TREES["tree16"] if len(p) <= heads2.config.num_heads]
+    methods, loaded, targets = build_methods(args, model)
     prompts, calibration = load_prompts(args.prompts, args.calibration_prompts if args.size_tree else 0)
-    results: dict = {
-        "command": "python scripts/bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "model": args.model,
-        "threads": torch.get_num_threads(),
-        "max_new_tokens": args.max_new_tokens,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "machine": platform.processor() or platform.machine(),
-        "rows": [],
-        "sizing": {},
-    }
+    results: dict = {"command": "python scripts/bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                     "model": args.model, "threads": torch.get_num_threads(), "max_new_tokens": args.max_new_tokens,
+                     "torch": torch.__version__, "transformers": transformers.__version__,
+                     "machine": platform.processor() or platform.machine(), "rows": [], "sizing": {}}  # fmt: skip
 
     # 1. cost-model tree sizing on the calibration prompts (disjoint from the benchmark prompts)
-    if args.size_tree:
-        for name, label in (("eagle3", "EAGLE-3 sized"), ("medusa1", "Medusa-1 sized")):
-            if name not in loaded:
-                continue
-            print(
-                f"sizing the {name} tree on {len(calibration)} calibration prompts ...",
-                file=sys.stderr,
-                flush=True,
-            )
+    for name, label in (("eagle3", "EAGLE-3 sized"), ("medusa1", "Medusa-1 sized")) if args.size_tree else ():
+        if name in loaded:
+            print(f"sizing the {name} tree on {len(calibration)} calibration prompts ...", file=sys.stderr, flush=True)
             sizing = calibrate(model, loaded[name], [prompt_ids(tokenizer, row) for row in calibration],
                                max_new_tokens=args.max_new_tokens, verify_sizes=VERIFY_SIZES, repeats=args.repeats)
-            record, method = sizing_record(sizing, methods, loaded[name], label)
-            results["sizing"][name] = record
-            if method is not None:
-                methods.append(method)
+            results["sizing"][name], method = sizing_record(sizing, methods, loaded[name], label)
+            methods += [method] if method is not None else []
 
     # 2. the benchmark: per temperature, category and prompt, plain then every method in a rotating order
-    tallies: dict[tuple[str, float, str], Tally] = {}
-    order = [Method("plain (base)")] + ([Method("plain (medusa2)", target="medusa2")] if "medusa2" in targets
-                                        else []) + methods  # fmt: skip
-    total = len(args.temperatures) * sum(len(v) for v in prompts.values())
-    done = 0
-    for temperature in args.temperatures:
-        for category, rows in prompts.items():
-            for index, row in enumerate(rows):
-                ids = prompt_ids(tokenizer, row)
-                seed = args.seed + index
-                shift = index % len(order)
-                outputs = {}
-                for method in order[shift:] + order[:shift]:
-                    model_ = targets[method.target]
-                    if method.kind == "lookup":
-                        outputs[method.name] = run_lookup(model_, ids, args.max_new_tokens, temperature, seed)
-                    else:
-                        outputs[method.name] = run_ours(
-                            model_, ids, method, args.max_new_tokens, temperature, seed
-                        )
-                for method in methods:
-                    result = outputs[method.name]
-                    plain = outputs[f"plain ({method.target})"]
-                    if temperature == 0 and not torch.equal(result["sequences"], plain["sequences"]):
-                        raise SystemExit(
-                            f"LOSSLESS CHECK FAILED: {method.name} on {row['id']} differs from plain "
-                            "greedy decoding"
-                        )
-                    for key in ((method.name, temperature, category), (method.name, temperature, "all")):
-                        tallies.setdefault(key, Tally()).add(
-                            result["tokens"],
-                            result["seconds"],
-                            result["steps"],
-                            result["emitted"],
-                            result["per_depth"],
-                            result["draft_nodes"],
-                            plain["tokens"],
-                            plain["seconds"],
-                        )
-                done += 1
-                print(f"[{done}/{total}] T={temperature:g} {category} {row['id']}: " + ", ".join(
-                    f"{m.name} {outputs[m.name]['tokens'] / outputs[m.name]['seconds']:.1f} tok/s" for m in order),
-                      file=sys.stderr, flush=True)  # fmt: skip
-
+    tallies = run_benchmark(args, tokenizer, targets, methods, prompts)
     for (name, temperature, category), tally in tallies.items():
         method = next(m for m in methods if m.name == name)
         results["rows"].append(
@@ -444,56 +325,71 @@ def main(argv: list[str] | None = None) -> dict:
     return results
 
 
+def run_method(targets: dict, method: Method, ids: torch.Tensor, max_new_tokens: int, temperature: float,
+               seed: int) -> dict:  # fmt: skip
+    if method.kind == "lookup":
+        return run_lookup(targets[method.target], ids, max_new_tokens, temperature, seed)
+    return run_ours(targets[method.target], ids, method, max_new_tokens, temperature, seed)
+
+
+def run_benchmark(args, tokenizer, targets: dict, methods: list[Method], prompts: dict) -> dict:
+    """{(method, temperature, category or "all"): Tally}. One warm-up run per method first (not recorded)."""
+    plains = [Method("plain (base)")] + ([Method("plain (medusa2)", target="medusa2")] if "medusa2" in targets else [])
+    order = plains + methods
+    warm_ids = prompt_ids(tokenizer, prompts["chat"][0])
+    for method in order:
+        run_method(targets, method, warm_ids, 8, 0.0, 0)
+    tallies: dict[tuple[str, float, str], Tally] = {}
+    total, done = len(args.temperatures) * sum(len(v) for v in prompts.values()), 0
+    for temperature in args.temperatures:
+        for category, rows in prompts.items():
+            for index, row in enumerate(rows):
+                ids, seed, shift = prompt_ids(tokenizer, row), args.seed + index, index % len(order)
+                outputs = {m.name: run_method(targets, m, ids, args.max_new_tokens, temperature, seed)
+                           for m in order[shift:] + order[:shift]}  # fmt: skip
+                for method in methods:
+                    plain = outputs[f"plain ({method.target})"]
+                    for key in ((method.name, temperature, category), (method.name, temperature, "all")):
+                        tallies.setdefault(key, Tally()).add(outputs[method.name], plain)
+                    if temperature == 0 and not torch.equal(outputs[method.name]["sequences"], plain["sequences"]):
+                        print(f"WARNING: {method.name} on {row['id']} differs from plain greedy decoding",
+                              file=sys.stderr)  # fmt: skip
+                done += 1
+                print(f"[{done}/{total}] T={temperature:g} {category} {row['id']}: " + ", ".join(
+                    f"{m.name} {outputs[m.name]['tokens'] / outputs[m.name]['seconds']:.1f} tok/s" for m in order),
+                      file=sys.stderr, flush=True)  # fmt: skip
+    return tallies
+
+
 def render(results: dict, args) -> str:
-    parts = [f"Command: `{results['command']}`  ",
-             (f"Target {results['model']}, fp32, {results['threads']} threads, {results['max_new_tokens']} new tokens, "
-             f"torch {results['torch']}, transformers {results['transformers']}. tau counts the bonus token; "
-             "speedup = method tok/s / plain tok/s on the same prompts in this run (pooled; the median over "
-             "prompts in brackets). Temperature 0 outputs are identical to plain greedy decoding (checked); "
-             "temperature > 0 uses the lossless rule.")]  # fmt: skip
+    parts = [f"Command: `{results['command']}`\n",
+             (f"Target {results['model']}, fp32, {results['threads']} threads, {results['max_new_tokens']} new tokens "
+             f"at most, torch {results['torch']}, transformers {results['transformers']}. Cells: tau (tokens per "
+             "target forward, bonus token included) / speedup (method tok/s over plain tok/s on the same prompts, "
+             "pooled) (median of per-prompt speedups). Temperature 0: outputs compared token for token with plain "
+             "greedy decoding (column `same as plain`); temperature > 0: the lossless rule.")]  # fmt: skip
+    cats = ["chat", "instruction", "code", "all"]
     for temperature in args.temperatures:
         rows = [r for r in results["rows"] if r["temperature"] == temperature]
-        cats = ["chat", "instruction", "code", "all"]
         table = []
         for name in dict.fromkeys(r["method"] for r in rows):
-            cells = [name, next(r["tree"] for r in rows if r["method"] == name)]
-            for cat in cats:
-                r = next((x for x in rows if x["method"] == name and x["category"] == cat), None)
-                cells.append("" if r is None else f"{r['tau']:.2f} / {r['speedup']:.2f}x "
-                             f"({r['speedup_median_of_prompts']:.2f}x)")  # fmt: skip
-            r = next(x for x in rows if x["method"] == name and x["category"] == "all")
-            cells += [
-                f"{r['tokens_per_second']:.1f}",
-                f"{r['plain_tokens_per_second']:.1f}",
-                " ".join(f"{a:.2f}" for a in r["acceptance_per_depth"]) or "n/a",
-            ]
-            table.append(cells)
+            cell = {r["category"]: r for r in rows if r["method"] == name}
+            total = cell["all"]
+            same = f"{total['identical_to_plain']}/{total['prompts']}" if temperature == 0 else "n/a"
+            table.append([name, total["tree"]]
+                         + [f"{cell[c]['tau']:.2f} / {cell[c]['speedup']:.2f}x "
+                            f"({cell[c]['speedup_median_of_prompts']:.2f}x)" for c in cats if c in cell]
+                         + [f"{total['tokens_per_second']:.1f}", f"{total['plain_tokens_per_second']:.1f}",
+                            " ".join(f"{a:.2f}" for a in total["acceptance_per_depth"]) or "n/a", same])  # fmt: skip
         parts.append(f"\n### Temperature {temperature:g}: tau / speedup per category\n")
-        parts.append(
-            markdown(
-                [
-                    "method",
-                    "tree",
-                    *[f"{c} tau / speedup" for c in cats],
-                    "tok/s (all)",
-                    "plain tok/s (all)",
-                    "acceptance per depth (all)",
-                ],
-                table,
-            )
-        )
+        parts.append(markdown(["method", "tree", *cats, "tok/s (all)", "plain tok/s (all)",
+                               "acceptance per depth (all)", "same as plain"], table))  # fmt: skip
     for name, sizing in results["sizing"].items():
         parts.append(f"\n### Cost-model tree sizing for {name}\n")
-        parts.append(
-            "Verify cost C_T(n) ms: " + ", ".join(f"n={n}: {ms:.1f}" for n, ms in sizing["verify_ms"].items())
-        )
-        parts.append(
-            "\nAcceptance per (depth, rank) on the calibration prompts: "
-            + "; ".join(
-                f"d{d + 1}: " + " ".join(f"{a:.2f}" for a in ranks)
-                for d, ranks in enumerate(sizing["acceptance_per_rank"])
-            )
-        )
+        costs = ", ".join(f"n={n}: {ms:.1f}" for n, ms in sizing["verify_ms"].items())
+        ranks = "; ".join(f"d{d + 1}: " + " ".join(f"{a:.2f}" for a in row)
+                          for d, row in enumerate(sizing["acceptance_per_rank"]))  # fmt: skip
+        parts.append(f"Verify cost C_T(n) ms: {costs}\n\nAcceptance per (depth, rank), calibration prompts: {ranks}")
         parts.append(f"\nChosen tree: **{sizing['chosen']}**\n")
         labelled = [(f"{name} (fixed default): {c['tree']}", c) for name, c in sizing["fixed_trees"].items()]
         labelled += [(("**chosen**: " if i == 0 else "") + c["tree"], c)

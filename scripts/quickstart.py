@@ -3,8 +3,10 @@ train an EAGLE-3 head briefly, decode held-out chat prompts, print tau and speed
 
     python scripts/quickstart.py [--prompts 48] [--steps 60] [--max-new-tokens 64]
 
-Each stage runs the project's own command (printed first) and is reused when its output exists: data
-shards resume, and a finished head under runs/quickstart/head is kept. The defaults are sized for a
+Each stage runs the project's own command (printed first) and is reused when its output exists: the
+committed self-distilled set data/smollm2/regen (2,048 chats, rebuilt by the command in data/SOURCES.md) is
+used when present, else --prompts prompts are regenerated (resumably) into it; a finished head under
+runs/quickstart/head is kept. The defaults are sized for a
 2-core CPU: a head trained this briefly on this little data is weak, so expect a tau well below the
 published numbers (README, "Benchmarks"). Every decoded output is checked token for token against plain
 decoding.
@@ -49,12 +51,17 @@ def main() -> None:
     print("[2/5] prompt pool", flush=True)
     if not (DATA / "prompts_train.jsonl").is_file():
         run(["scripts/prepare_data.py"])
-    print(f"[3/5] self-distilled responses for {args.prompts} prompts", flush=True)
-    run(["scripts/regenerate.py", "--prompts", "data/smollm2/prompts_train.jsonl", "--out", f"{args.out}/regen",
-         "--limit", str(args.prompts), "--max-new-tokens", "128", "--batch-size", "16", "--shard-size", "16"])
+    shards = sorted((DATA / "regen").glob("shard-*.jsonl"))
+    have = sum(len(p.read_text().splitlines()) for p in shards)
+    if have >= args.prompts:
+        print(f"[3/5] self-distilled chats: reusing {have} in data/smollm2/regen ({len(shards)} shards)", flush=True)
+    else:
+        print(f"[3/5] self-distilled responses for {args.prompts} prompts", flush=True)
+        run(["scripts/regenerate.py", "--prompts", "data/smollm2/prompts_train.jsonl", "--out", "data/smollm2/regen",
+             "--limit", str(args.prompts), "--max-new-tokens", "128", "--batch-size", "16", "--shard-size", "16"])
     print(f"[4/5] EAGLE-3 head, {args.steps} steps", flush=True)
     if not (out / "head" / "model.safetensors").is_file():
-        run(["train/eagle.py", "configs/eagle3_smollm2.yaml", f"data.train_files=['{args.out}/regen/*.jsonl']",
+        run(["train/eagle.py", "configs/eagle3_smollm2.yaml", "data.train_files=['data/smollm2/regen/*.jsonl']",
              "data.eval_files=[]", "data.max_length=384", "data.max_bad_fraction=0.2", f"train.output_dir={args.out}",
              f"train.max_steps={args.steps}", "train.learning_rate=1e-3", "train.warmup_ratio=0.05",
              "train.save_every_steps=20", "train.eval_every_steps=0", "train.eval_tau_prompts=0",

@@ -58,6 +58,8 @@ def test_bench_runs_every_method_and_writes_reports(tmp_path, tiny_target_dir, h
         assert row["temperature"] in (0.0, 1.0) and row["category"] in ("chat", "instruction", "code", "all")
         assert row["tau"] >= 1.0 and row["speedup"] > 0 and row["tokens_per_second"] > 0
         assert all(0.0 <= a <= 1.0 for a in row["acceptance_per_depth"])
+        if row["temperature"] == 0 and row["method"] != "prompt lookup":  # ours: exactly plain greedy decoding
+            assert row["identical_to_plain"] == row["prompts"]
         if row["method"] == "prompt lookup":
             assert row["acceptance_per_depth"] == [] and row["draft_nodes_per_step"] == 0
         else:
