@@ -96,6 +96,17 @@ def draft_vocab_rows(head: EagleHead, target: nn.Module) -> Tensor | None:
     return target.get_output_embeddings().weight[head.t2d].detach().clone()
 
 
+def logits_head(target: nn.Module, draft_rows: Tensor | None) -> nn.Module:
+    """What turns stored final states into the target logits the loss reads: the lm_head's draft-vocabulary
+    rows for EAGLE-3 (as online, `target_pass`), else the whole lm_head."""
+    if draft_rows is None:
+        return target.get_output_embeddings()
+    head = nn.Linear(draft_rows.shape[1], draft_rows.shape[0], bias=False, device=draft_rows.device,
+                     dtype=draft_rows.dtype)
+    head.weight = nn.Parameter(draft_rows, requires_grad=False)
+    return head
+
+
 @torch.no_grad()
 def eval_loss(step_module: nn.Module, target: nn.Module, capture: FeatureCapture, eval_set, cfg: EagleRunConfig,
               pad_id: int, accelerator, max_batches: int = 20) -> float | None:
@@ -147,9 +158,9 @@ def main(cfg: EagleRunConfig) -> None:
     step = start_or_resume(accelerator, cfg, out, num_steps)
 
     # 5. loop; hidden states come from the target online, or from a dump (scripts/dump_hidden_states.py)
-    rows, collate_fn = offline_rows(cfg.data, train_set, pad_id, head.feature_layers, target.get_output_embeddings(),
-                                    softcap=getattr(target.config.get_text_config(), "final_logit_softcapping", None))
     draft_rows = draft_vocab_rows(head, target)  # EAGLE-3: the target's logits over the draft vocab only
+    rows, collate_fn = offline_rows(cfg.data, train_set, pad_id, head.feature_layers, logits_head(target, draft_rows),
+                                    softcap=getattr(target.config.get_text_config(), "final_logit_softcapping", None))
     capture = FeatureCapture(target, head.feature_layers).__enter__()
     export_kwargs = dict(base_model=cfg.model.target, base_revision=cfg.model.revision, target=target)
     progress = tqdm(total=num_steps, initial=step, disable=not accelerator.is_main_process, desc="train")
