@@ -34,6 +34,8 @@ class GenerateOutput:
     steps: int                          # verify passes (target_forwards - 1)
     accepted_per_depth: list[int] = field(default_factory=list)  # steps whose depth-d draft was accepted
     accepted_ranks: list[list[int]] = field(default_factory=list)  # [d-1][r]: steps accepting a rank-r node at depth d
+    offered_ranks: list[list[int]] = field(default_factory=list)  # [d-1][r]: steps offering a rank-r child below
+    #                                                                the accepted depth-(d-1) node
     draft_nodes: int = 0                # draft tokens proposed over all steps (root excluded)
     draft_depth: int = 0                # deepest draft level proposed in any step
     seconds: float = 0.0
@@ -160,7 +162,7 @@ def generate(model: nn.Module, input_ids: Tensor, heads: nn.Module | None = None
         past = prompt.shape[1]
         if drafter is not None:
             drafter.advance(capture.features()[0], torch.cat([prompt[0, 1:], torch.tensor([root], device=device)]))
-        steps, per_depth, per_rank, drafted, draft_depth = 0, [], [], 0, 0
+        steps, per_depth, per_rank, offered, drafted, draft_depth = 0, [], [], [], 0, 0
         while not (eos.intersection(generated[-1:]) or len(generated) >= max_new_tokens):
             draft = propose(drafter, root, tree_spec, temperature=temperature, generator=generator,
                             vocab_size=vocab_size)
@@ -175,6 +177,7 @@ def generate(model: nn.Module, input_ids: Tensor, heads: nn.Module | None = None
             drafted += len(draft) - 1
             if len(draft) > 1:
                 draft_depth = max(draft_depth, int(node_depths(draft.parents).max()))
+            _count_offered(draft, path, offered)
             for depth in range(1, len(path)):
                 if len(per_depth) < depth:
                     per_depth.append(0)
@@ -198,9 +201,21 @@ def generate(model: nn.Module, input_ids: Tensor, heads: nn.Module | None = None
     return GenerateOutput(
         sequences=torch.cat([input_ids, torch.tensor([generated], dtype=input_ids.dtype)], dim=1),
         new_tokens=len(generated), tau=emitted_by_steps / steps if steps else 1.0, target_forwards=steps + 1,
-        steps=steps, accepted_per_depth=per_depth, accepted_ranks=per_rank, draft_nodes=drafted,
-        draft_depth=draft_depth, seconds=seconds, stopped_at_eos=generated[-1] in eos,
+        steps=steps, accepted_per_depth=per_depth, accepted_ranks=per_rank, offered_ranks=offered,
+        draft_nodes=drafted, draft_depth=draft_depth, seconds=seconds, stopped_at_eos=generated[-1] in eos,
     )
+
+
+def _count_offered(draft, path: list[int], offered: list[list[int]]) -> None:
+    """Add, per depth and rank, the children that the accepted path's nodes (root included) offered."""
+    on_path = {node: depth for depth, node in enumerate(path)}
+    for node, (parent, rank) in enumerate(zip(draft.parents.tolist(), draft.ranks.tolist())):
+        if node and parent in on_path:
+            depth = on_path[parent]  # the child sits at depth + 1: row `depth` of the table
+            while len(offered) <= depth:
+                offered.append([])
+            offered[depth] += [0] * (rank + 1 - len(offered[depth]))
+            offered[depth][rank] += 1
 
 
 def _truncate(tokens: list[int], eos: set[int], max_new_tokens: int) -> list[int]:

@@ -35,68 +35,69 @@ from heads.features import FeatureCapture
 
 
 def rank_acceptance(outputs: Sequence[GenerateOutput]) -> list[list[float]]:
-    """a[d-1][r]: P(the node accepted at depth d is its parent's rank-r child | depth d - 1 was accepted).
-
-    Pooled over all runs. Ranks or depths that the measured trees never drafted have no estimate and are
-    absent; a probe tree wider and deeper than any candidate keeps the estimate from being cut short.
-    """
-    reached: list[
-        int
-    ] = []  # [d-1]: steps that accepted depth d - 1 (depth 0: every step) and drafted depth d
+    """a[d-1][r]: P(the target takes the rank-r child at depth d | the parent at depth d - 1 was accepted and
+    offered a rank-r child), pooled over all runs: `accepted_ranks` / `offered_ranks`. Ranks or depths that the
+    measured trees never offered have no estimate and are absent (a wide, deep probe tree avoids that)."""
     accepted: list[list[int]] = []
+    offered: list[list[int]] = []
     for out in outputs:
-        counts = [out.steps, *out.accepted_per_depth]
-        for depth in range(out.draft_depth):
-            if len(reached) <= depth:
-                reached.append(0)
-                accepted.append([])
-            reached[depth] += counts[depth] if depth < len(counts) else 0
-            ranks = out.accepted_ranks[depth] if depth < len(out.accepted_ranks) else []
-            accepted[depth] += [0] * (len(ranks) - len(accepted[depth]))
-            for rank, count in enumerate(ranks):
-                accepted[depth][rank] += count
-    return [[count / total if total else 0.0 for count in row] for row, total in zip(accepted, reached)]
+        for table, counts in ((accepted, out.accepted_ranks), (offered, out.offered_ranks)):
+            for depth, ranks in enumerate(counts):
+                while len(table) <= depth:
+                    table.append([])
+                table[depth] += [0] * (len(ranks) - len(table[depth]))
+                for rank, count in enumerate(ranks):
+                    table[depth][rank] += count
+    return [[(accepted[d][r] if d < len(accepted) and r < len(accepted[d]) else 0) / count if count else 0.0
+             for r, count in enumerate(row)] for d, row in enumerate(offered)]  # fmt: skip
 
 
-def best_tree(
-    acceptance: Sequence[Sequence[float]], budget: int, max_depth: int | None = None, top_k: int | None = None
-) -> tuple[float, list[tuple[int, ...]]]:
+def best_tree(acceptance: Sequence[Sequence[float]], budget: int, max_depth: int | None = None,
+              top_k: int | None = None, expand_per_level: int | None = None) -> tuple[float, list[tuple[int, ...]]]:
     """The `budget` most probable nodes under the acceptance model, as rank paths, and their E[tokens].
+
+    Best-first from the root: a node's next sibling and first child become candidates when it is taken, so the
+    result is a tree whose siblings have consecutive ranks (what `build_tree` accepts) even where measured
+    rates do not fall with rank.
 
     Args:
         acceptance: a[d-1][r] from `rank_acceptance`.
         budget: draft nodes n (the root is extra).
         max_depth: deepest level allowed (default: all measured levels).
         top_k: most children per node (default: all measured ranks).
+        expand_per_level: most nodes per level that get children (EAGLE-2 dynamic trees expand `top_k`).
     Returns:
         (E[tokens per step] including the bonus token, rank paths sorted by depth then ranks).
     """
     if budget < 0:
         raise ValueError(f"budget must be >= 0, got {budget}")
     depth_limit = min(len(acceptance), max_depth if max_depth is not None else len(acceptance))
-    heap: list[tuple[float, tuple[int, ...]]] = []
+    heap: list[tuple[float, tuple[int, ...], float]] = []  # (-P(node), path, P(parent))
 
-    def push_children(path: tuple[int, ...], probability: float) -> None:
-        depth = len(path)
-        if depth >= depth_limit:
-            return
-        ranks = acceptance[depth][: top_k if top_k is not None else None]
-        for rank, rate in enumerate(ranks):
-            if rate > 0:
-                heapq.heappush(heap, (-probability * rate, (*path, rank)))
+    def push(path: tuple[int, ...], parent_probability: float) -> None:
+        rates, rank = acceptance[len(path) - 1], path[-1]
+        if rank < len(rates) and (top_k is None or rank < top_k) and rates[rank] > 0:
+            heapq.heappush(heap, (-parent_probability * rates[rank], path, parent_probability))
 
-    push_children((), 1.0)
+    if depth_limit > 0:
+        push((0,), 1.0)
+    expanded = [0] * depth_limit  # nodes per level that have been given children
     chosen, expected = [], 1.0
     while heap and len(chosen) < budget:
-        negative, path = heapq.heappop(heap)
+        negative, path, parent_probability = heapq.heappop(heap)
         chosen.append(path)
         expected -= negative
-        push_children(path, -negative)
+        push((*path[:-1], path[-1] + 1), parent_probability)
+        level = len(path) - 1
+        if len(path) < depth_limit and (expand_per_level is None or expanded[level] < expand_per_level):
+            expanded[level] += 1
+            push((*path, 0), -negative)
     return expected, sorted(chosen, key=lambda p: (len(p), p))
 
 
 def interpolate(costs: dict[int, float], n: int) -> float:
-    """Linear interpolation of measured costs C(n) (held flat beyond the measured range's ends)."""
+    """Linear interpolation of measured costs C(n): held flat below the smallest n, extended with the last
+    segment's slope above the largest."""
     sizes = sorted(costs)
     if n <= sizes[0]:
         return costs[sizes[0]]
@@ -146,7 +147,7 @@ def size_tree(
     for depth in depths:
         for top_k in top_ks:
             for budget in budgets:
-                expected, paths = best_tree(acceptance, budget, depth, top_k)
+                expected, paths = best_tree(acceptance, budget, depth, top_k, top_k if dynamic else None)
                 if not paths:
                     continue
                 used_depth = max(len(p) for p in paths)
@@ -202,28 +203,28 @@ def measure_verify_cost(
 
 
 @torch.no_grad()
-def measure_propose_cost(
-    model: nn.Module,
-    heads: nn.Module,
-    context: torch.Tensor,
-    trees: Sequence[TreeBuffers | DynamicTree],
-    repeats: int = 5,
-) -> list[float]:
-    """Median seconds to draft each tree (greedy) after the target prefilled `context` (1, T)."""
+def measure_propose_cost(model: nn.Module, heads: nn.Module, context: torch.Tensor,
+                         trees: Sequence[TreeBuffers | DynamicTree], repeats: int = 5,
+                         advance_tokens: int = 2) -> list[float]:  # fmt: skip
+    """Median seconds of the drafter's work in one decoding step, per tree: taking in `advance_tokens` newly
+    accepted positions (Medusa: its heads and their lm_head; EAGLE: a draft forward over them) and then drafting
+    the tree (greedy), after the target prefilled `context` (1, T)."""
     drafter = make_drafter(heads, model)
     capture = FeatureCapture(model, drafter.feature_layers)
     with capture:
         out = model(input_ids=context, use_cache=False, logits_to_keep=1)
-        root = int(out.logits[0, -1].argmax())
-        drafter.advance(capture.features()[0], torch.cat([context[0, 1:], torch.tensor([root])]))
+        features = capture.features()[0]
+    root = int(out.logits[0, -1].argmax())
+    tokens = torch.cat([context[0, 1:], torch.tensor([root], device=context.device)])
+    keep = min(advance_tokens, tokens.numel())
+    drafter.advance(features[:-keep], tokens[:-keep])
     vocab = model.get_output_embeddings().weight.shape[0]
-    return [
-        _median_seconds(
-            lambda t=tree: propose(drafter, root, t, temperature=0.0, generator=None, vocab_size=vocab),
-            repeats,
-        )
-        for tree in trees
-    ]
+
+    def step(tree) -> None:
+        drafter.advance(features[-keep:], tokens[-keep:])  # EAGLE: its draft cache grows a little per call
+        propose(drafter, root, tree, temperature=0.0, generator=None, vocab_size=vocab)
+
+    return [_median_seconds(lambda t=tree: step(t), repeats) for tree in trees]
 
 
 @dataclass
@@ -243,7 +244,7 @@ class Calibration:
         """E[tokens], costs and tokens/s of a given tree (a DynamicTree's E is that of the best-first static
         tree of its size: an approximation of its confidence-driven shape); its drafting cost is measured."""
         if isinstance(tree, DynamicTree):
-            expected, _ = best_tree(self.acceptance, tree.total_tokens, tree.depth, tree.top_k)
+            expected, _ = best_tree(self.acceptance, tree.total_tokens, tree.depth, tree.top_k, tree.top_k)
             nodes, depth, top_k = tree.total_tokens, tree.depth, tree.top_k
         else:
             paths = [tuple(p) for p in tree]
@@ -271,9 +272,10 @@ def calibrate(model: nn.Module, heads: nn.Module, prompts: Sequence[torch.Tensor
     1. Acceptance per (depth, rank): greedy decoding of `prompts` with a wide probe tree (EAGLE: dynamic, depth
        `max_depth`, top_k `max_top_k`, 48 nodes; Medusa: the top `max_top_k` candidates of every head below
        the top-1 chain). Use prompts the benchmark does not score: the choice is then not fitted to them.
-    2. C_T(n): the target's verify forward over n tokens above the first prompt, for n in `verify_sizes`.
-    3. Drafting cost: EAGLE per (depth, top_k) shape (one draft forward per level); Medusa once (its heads run
-       once per step whatever the tree).
+    2. C_T(n): the target's verify forward over n tokens above the first prompt, for n in `verify_sizes` (1
+       must be among them: C_T(1) is plain decoding's cost per token).
+    3. Drafting cost per step (`measure_propose_cost`): EAGLE per (depth, top_k) shape (one draft forward per
+       level); Medusa once (its heads run once per step whatever the tree).
     4. `size_tree` over draft budgets 1 .. max(verify_sizes) - 1, depths and top_k up to the measured ones.
 
     Args:
@@ -281,6 +283,8 @@ def calibrate(model: nn.Module, heads: nn.Module, prompts: Sequence[torch.Tensor
         heads: MedusaHeads or EagleHead.
         prompts: (1, T) prompt ids.
     """
+    if 1 not in verify_sizes:
+        raise ValueError(f"verify_sizes must include 1 (plain decoding's cost), got {list(verify_sizes)}")
     eagle = isinstance(heads, EagleHead)
     if eagle:
         probe: TreeBuffers | DynamicTree = DynamicTree(depth=max_depth, top_k=max_top_k, total_tokens=48)

@@ -9,7 +9,8 @@ Prompts (never trained on): chat and instruction-following from data/smollm2/pro
 --calibration-prompts chat prompts of the same file, disjoint from the benchmark prompts.
 
 Per prompt, plain decoding and every method run back to back in a rotating order (drift hits all alike). At
-temperature 0 every output is checked token for token against plain decoding (the run stops on a mismatch);
+temperature 0 every output is compared token for token with plain decoding (counted in the `same as plain`
+column, and a warning names each mismatch);
 at temperature > 0 the methods use the lossless rule (decode/accept.py) with pure temperature sampling
 (top_p=1, top_k=0), and prompt lookup samples from the same distribution. Metrics (REFERENCE section 4):
 tau = tokens per target forward INCLUDING the bonus token (plain = 1), pooled over prompts; acceptance at depth
@@ -62,9 +63,9 @@ class Tally:
     tokens: int = 0
     seconds: float = 0.0
     steps: int = 0
-    emitted: int = 0  # tokens emitted by verify steps (the prefill emits each prompt's first one)
+    emitted: int = 0  # tokens emitted by verify steps (what the prefill emitted is left out)
     per_depth: list[int] = field(default_factory=list)
-    draft_nodes: int = 0
+    draft_nodes: int | None = 0  # None: unknown (prompt lookup)
     plain_tokens: int = 0
     plain_seconds: float = 0.0
     ratios: list[float] = field(default_factory=list)  # per-prompt speedups
@@ -75,11 +76,11 @@ class Tally:
         self.tokens += result["tokens"]
         self.seconds += result["seconds"]
         self.steps += result["steps"]
-        self.emitted += result["tokens"] - 1
+        self.emitted += result["emitted"]
         self.per_depth += [0] * (len(result["per_depth"]) - len(self.per_depth))
         for d, count in enumerate(result["per_depth"]):
             self.per_depth[d] += count
-        self.draft_nodes += result["draft_nodes"]
+        self.draft_nodes = None if result["draft_nodes"] is None else self.draft_nodes + result["draft_nodes"]
         self.plain_tokens += plain["tokens"]
         self.plain_seconds += plain["seconds"]
         self.ratios.append((result["tokens"] / result["seconds"]) / (plain["tokens"] / plain["seconds"]))
@@ -94,7 +95,7 @@ class Tally:
         return {"tau": self.emitted / self.steps if self.steps else 1.0, "acceptance_per_depth": rates,
                 "tokens_per_second": tok_s, "plain_tokens_per_second": plain_tok_s, "speedup": tok_s / plain_tok_s,
                 "speedup_median_of_prompts": statistics.median(self.ratios),
-                "draft_nodes_per_step": self.draft_nodes / self.steps if self.steps else 0.0,
+                "draft_nodes_per_step": None if self.draft_nodes is None else self.draft_nodes / max(self.steps, 1),
                 "tokens": self.tokens, "prompts": len(self.ratios),
                 "identical_to_plain": sum(self.identical)}  # fmt: skip
 
@@ -115,39 +116,49 @@ def prompt_ids(tokenizer, row: dict) -> torch.Tensor:
                                          return_tensors="pt")["input_ids"]  # fmt: skip
 
 
-class ForwardCounter:
-    """Counts target forward passes (prompt lookup's tau: HF does not report it)."""
+class PassCounter:
+    """A transformers streamer that records how many tokens each target forward emits. Assisted decoding puts
+    the prompt once, then the tokens of every forward pass (the first one, the prefill, already verifies the
+    n-grams it found in the prompt)."""
 
-    def __init__(self, model) -> None:
-        self.calls = 0
-        self.hook = model.register_forward_pre_hook(lambda *_: setattr(self, "calls", self.calls + 1))
+    def __init__(self) -> None:
+        self.puts: list[int] = []
 
-    def remove(self) -> None:
-        self.hook.remove()
+    def put(self, value: torch.Tensor) -> None:
+        self.puts.append(value.numel())
+
+    def end(self) -> None:
+        pass
 
 
 def run_lookup(model, ids: torch.Tensor, max_new_tokens: int, temperature: float, seed: int) -> dict:
-    """transformers' prompt-lookup decoding; sampling draws from the pure-temperature target distribution."""
+    """transformers' prompt-lookup decoding; sampling draws from the pure-temperature target distribution. As for
+    ours, tau and acceptance leave out the prefill pass and what it emitted."""
     sampling = {"do_sample": True, "temperature": temperature, "top_p": 1.0, "top_k": 0} if temperature > 0 else \
         {"do_sample": False}  # fmt: skip
-    counter = ForwardCounter(model)
+    counter = PassCounter()
     torch.manual_seed(seed)
     start = time.perf_counter()
-    try:
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS, **sampling)  # fmt: skip
-    finally:
-        counter.remove()
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                         prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS, streamer=counter, **sampling)  # fmt: skip
     seconds = time.perf_counter() - start
-    return {"sequences": out, "tokens": out.shape[1] - ids.shape[1], "seconds": seconds,
-            "steps": counter.calls - 1, "per_depth": [], "draft_nodes": 0}  # fmt: skip
+    passes = counter.puts[1:]  # tokens emitted per forward: prefill first, then one entry per verify pass
+    per_depth: list[int] = []
+    for emitted in passes[1:]:
+        for depth in range(emitted - 1):  # emitted - 1 drafts were accepted in that pass
+            per_depth += [0] * (depth + 1 - len(per_depth))
+            per_depth[depth] += 1
+    return {"sequences": out.cpu(), "tokens": out.shape[1] - ids.shape[1], "seconds": seconds,
+            "steps": len(passes) - 1, "emitted": sum(passes[1:]), "per_depth": per_depth,
+            "draft_nodes": None}  # fmt: skip
 
 
 def run_ours(model, ids: torch.Tensor, method: Method, max_new_tokens: int, temperature: float, seed: int) -> dict:
     out = generate(model, ids, method.heads, max_new_tokens=max_new_tokens, temperature=temperature,
                    tree=method.tree, seed=seed)  # fmt: skip
-    return {"sequences": out.sequences, "tokens": out.new_tokens, "seconds": out.seconds, "steps": out.steps,
-            "per_depth": out.accepted_per_depth, "draft_nodes": out.draft_nodes}  # fmt: skip
+    return {"sequences": out.sequences.cpu(), "tokens": out.new_tokens, "seconds": out.seconds, "steps": out.steps,
+            "emitted": out.new_tokens - 1, "per_depth": out.accepted_per_depth,
+            "draft_nodes": out.draft_nodes}  # fmt: skip
 
 
 def as_tree(tree) -> DynamicTree | list[tuple[int, ...]]:
@@ -231,7 +242,7 @@ def plots(results: dict, out: Path) -> list[str]:
         xs = sorted(best)
         ax.plot(xs, [best[x] for x in xs], linestyle="--", label=f"{name}: predicted best at size")
     for row in results["rows"]:
-        if row["temperature"] == 0 and row["category"] == "all" and row["draft_nodes_per_step"] > 0:
+        if row["temperature"] == 0 and row["category"] == "all" and row["draft_nodes_per_step"]:
             ax.scatter(row["draft_nodes_per_step"], row["speedup"], label=f"{row['method']} (measured)")
     ax.axhline(1.0, color="grey", linewidth=0.8)
     ax.set(title="speedup vs tree size, T=0", xlabel="draft tokens per step", ylabel="speedup over plain")

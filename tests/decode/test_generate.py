@@ -204,8 +204,13 @@ def test_acceptance_rates(build_target, tree, oracle):
     assert rates[1] == out.accepted_per_depth[1] / out.accepted_per_depth[0]
     assert out.accepted_per_depth == sorted(out.accepted_per_depth, reverse=True)
     assert 0.3 < rates[0] <= 1.0
-    # Accepted nodes split by sibling rank add up to the per-depth counts.
+    # Accepted nodes split by sibling rank add up to the per-depth counts; each was offered first.
     assert [sum(ranks) for ranks in out.accepted_ranks] == out.accepted_per_depth
+    for accepted, offered in zip(out.accepted_ranks, out.offered_ranks):
+        assert all(a <= o for a, o in zip(accepted, offered)) and len(accepted) <= len(offered)
+    if tree == "tree8":  # the root offers its children every step; deeper nodes only when their parent won
+        root_children = sum(1 for p in DEFAULT_TREES["tree8"] if len(p) == 1)
+        assert out.offered_ranks[0] == [out.steps] * root_children
     assert all(count >= 0 for ranks in out.accepted_ranks for count in ranks)
     if tree == "tree8":
         assert out.draft_nodes == out.steps * len(DEFAULT_TREES["tree8"])

@@ -26,18 +26,16 @@ from heads.medusa import MedusaConfig, MedusaHeads
 PROMPT = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(1))
 
 
-def _output(steps, per_depth, ranks, depth) -> GenerateOutput:
-    return GenerateOutput(sequences=torch.zeros(1, 1), new_tokens=0, tau=1.0, target_forwards=steps + 1,
-                          steps=steps, accepted_per_depth=per_depth, accepted_ranks=ranks, draft_depth=depth)  # fmt: skip
+def _output(accepted, offered) -> GenerateOutput:
+    return GenerateOutput(sequences=torch.zeros(1, 1), new_tokens=0, tau=1.0, target_forwards=1, steps=0,
+                          accepted_ranks=accepted, offered_ranks=offered)  # fmt: skip
 
 
-def test_rank_acceptance_pools_runs_and_counts_drafted_depths_only():
-    runs = [_output(10, [6, 3], [[5, 1], [2, 1]], 3), _output(10, [4], [[4]], 2)]
-    acceptance = rank_acceptance(runs)
-    # depth 1: 20 steps, ranks 0/1 accepted 9/1 times; depth 2: reached 6 + 4 = 10, ranks 2/1;
-    # depth 3: drafted by the first run only, reached 3 times, never accepted.
-    assert acceptance == [[0.45, 0.05], [0.2, 0.1], []]
-    assert rank_acceptance([_output(5, [], [], 0)]) == []  # plain decoding measures nothing
+def test_rank_acceptance_divides_accepted_by_offered_and_pools_runs():
+    runs = [_output([[5, 1], [2, 1]], [[10, 10], [6, 4], [3]]), _output([[4]], [[10, 10], [4, 4]])]
+    # depth 1: ranks 0/1 accepted 9/1 of 20 offers; depth 2: 2/1 of 10/8; depth 3: offered 3 times, never taken
+    assert rank_acceptance(runs) == [[0.45, 0.05], [0.2, 0.125], [0.0]]
+    assert rank_acceptance([_output([], [])]) == []  # plain decoding measures nothing
 
 
 def test_best_tree_takes_most_probable_nodes():
@@ -73,6 +71,16 @@ def test_best_tree_is_optimal_against_brute_force():
             c for c in itertools.combinations(all_nodes, budget) if all(p[:-1] in c or len(p) == 1 for p in c)
         ]
         assert best_tree(acceptance, budget)[0] == pytest.approx(max(value(t) for t in trees))
+
+
+def test_best_tree_keeps_sibling_ranks_consecutive_and_limits_expansion():
+    # Rank 1 was never accepted but rank 2 was: a tree may not hold (2,) without (1,), so (2,) is unreachable.
+    expected, paths = best_tree([[0.5, 0.0, 0.2], [0.5]], budget=3)
+    assert paths == [(0,), (0, 0)] and expected == pytest.approx(1.75)
+    # EAGLE-2 expands top_k nodes per level: with one expansion per level only (0,) gets children.
+    acceptance = [[0.5, 0.4], [0.9, 0.05]]
+    assert best_tree(acceptance, 4)[1] == [(0,), (1,), (0, 0), (1, 0)]
+    assert best_tree(acceptance, 4, expand_per_level=1)[1] == [(0,), (1,), (0, 0), (0, 1)]
 
 
 def test_interpolate():

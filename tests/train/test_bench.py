@@ -61,7 +61,7 @@ def test_bench_runs_every_method_and_writes_reports(tmp_path, tiny_target_dir, h
         if row["temperature"] == 0 and row["method"] != "prompt lookup":  # ours: exactly plain greedy decoding
             assert row["identical_to_plain"] == row["prompts"]
         if row["method"] == "prompt lookup":
-            assert row["acceptance_per_depth"] == [] and row["draft_nodes_per_step"] == 0
+            assert row["draft_nodes_per_step"] is None  # transformers does not say how many it drafted
         else:
             assert row["draft_nodes_per_step"] > 0
     cells = {(r["method"], r["temperature"], r["category"]) for r in results["rows"]}
