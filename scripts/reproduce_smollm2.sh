@@ -5,8 +5,9 @@
 #   bash scripts/reproduce_smollm2.sh
 #
 # EAGLE-3, Medusa-1 and EAGLE-1 read one offline dump (data.hidden_states=offline); Medusa-2 trains LoRA on the
-# target, so it runs the target online, briefly. Core 1 trains EAGLE-3; core 2 trains Medusa-1, then EAGLE-1,
-# then Medusa-2. Logs go to runs/*.log. Needs pip install -e ".[train,bench]".
+# target, so it runs the target online, briefly. Core 1 trains EAGLE-3 (one epoch), then EAGLE-1 (briefly); core 2
+# Medusa-1 (150 steps), then Medusa-2 (briefly). Sized to take about 35 minutes after the dump on 2 cores.
+# Logs go to runs/*.log. Needs pip install -e ".[train,bench]".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STATES="${STATES:-runs/states_smollm2}"
@@ -19,20 +20,22 @@ python scripts/regenerate.py --prompts data/smollm2/prompts_train.jsonl --out da
 python scripts/dump_hidden_states.py configs/eagle3_smollm2.yaml "data.offline_dir=$STATES"
 
 export OMP_NUM_THREADS=1
-accelerate launch --num_processes 1 train/eagle.py configs/eagle3_smollm2.yaml "${OFFLINE[@]}" "${COMMON[@]}" \
-    train.num_epochs=2 train.learning_rate=5e-4 train.warmup_ratio=0.05 > runs/eagle3_smollm2.log 2>&1 &
-eagle3=$!
+{
+    accelerate launch --num_processes 1 train/eagle.py configs/eagle3_smollm2.yaml "${OFFLINE[@]}" "${COMMON[@]}" \
+        train.num_epochs=1 train.learning_rate=6e-4 train.warmup_ratio=0.05 > runs/eagle3_smollm2.log 2>&1
+    accelerate launch --num_processes 1 train/eagle.py configs/eagle1_smollm2.yaml "${OFFLINE[@]}" "${COMMON[@]}" \
+        train.max_steps=60 train.learning_rate=6e-4 train.warmup_ratio=0.05 > runs/eagle1_smollm2.log 2>&1
+} &
+core1=$!
 {
     accelerate launch --num_processes 1 train/medusa.py configs/medusa1_smollm2.yaml "${OFFLINE[@]}" "${COMMON[@]}" \
-        > runs/medusa1_smollm2.log 2>&1
-    accelerate launch --num_processes 1 train/eagle.py configs/eagle1_smollm2.yaml "${OFFLINE[@]}" "${COMMON[@]}" \
-        train.max_steps=100 train.learning_rate=5e-4 train.warmup_ratio=0.05 > runs/eagle1_smollm2.log 2>&1
+        train.max_steps=150 > runs/medusa1_smollm2.log 2>&1
     accelerate launch --num_processes 1 train/medusa.py configs/medusa2_smollm2.yaml train.eval_every_steps=0 \
-        train.save_every_steps=20 train.max_steps=60 medusa.heads_only_steps=20 > runs/medusa2_smollm2.log 2>&1
+        train.save_every_steps=20 train.max_steps=40 medusa.heads_only_steps=15 > runs/medusa2_smollm2.log 2>&1
 } &
-others=$!
-wait "$eagle3"
-wait "$others"
+core2=$!
+wait "$core1"
+wait "$core2"
 unset OMP_NUM_THREADS
 
 python scripts/bench.py --eagle3 runs/eagle3_smollm2/head --eagle1 runs/eagle1_smollm2/head \
