@@ -11,15 +11,18 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import torch
 from datasets import Dataset
 
 from heads import FeatureCapture, MedusaConfig, MedusaHeads
 from heads.target import DEFAULT_TARGET, load_target
-from train.config import EagleTrainConfig, MedusaTrainConfig
+from train.config import EagleRunConfig, MedusaRunConfig, load_config
 from train.eagle import EagleStep, draft_vocab_rows, new_head, target_pass
 from train.losses import medusa_loss_from_hidden
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
 def batches(vocab: int, batch_size: int, seq_len: int, count: int, seed: int = 0) -> list[dict]:
@@ -61,13 +64,16 @@ def main() -> None:
             target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
 
     rows = [("target forward alone (floor)", timed(floor, data))]
-    for name, cfg in [("EAGLE-3 online (TTT 3, Vd 16384)", EagleTrainConfig(head_type="eagle3", draft_vocab_size=16384)),
-                      ("EAGLE-1 online", EagleTrainConfig(head_type="eagle1"))]:
+    eagle3 = load_config(EagleRunConfig, CONFIGS / "eagle3_smollm2.yaml").eagle  # the shipped CPU defaults
+    eagle1 = load_config(EagleRunConfig, CONFIGS / "eagle1_smollm2.yaml").eagle
+    for name, cfg in [(f"EAGLE-3 online (TTT {eagle3.ttt_steps}, Vd {eagle3.draft_vocab_size})", eagle3),
+                      ("EAGLE-1 online", eagle1)]:
         head = new_head(cfg, target, token_rows)  # EAGLE-3's draft vocab: the batches' most frequent tokens
         step = EagleStep(head, cfg, target.get_input_embeddings(), target.get_output_embeddings())
         optimizer = torch.optim.AdamW(head.parameters(), lr=1e-4)
+        draft_rows = draft_vocab_rows(head, target)
         with FeatureCapture(target, head.feature_layers) as capture:
-            def train_step(batch, step=step, optimizer=optimizer, capture=capture, rows=draft_vocab_rows(head, target)):
+            def train_step(batch, step=step, optimizer=optimizer, capture=capture, rows=draft_rows):
                 features, logits = target_pass(target, capture, batch, rows)
                 loss, _ = step(features, batch["input_ids"], logits, batch["loss_mask"])
                 loss.backward()
@@ -75,20 +81,23 @@ def main() -> None:
                 optimizer.zero_grad()
             rows.append((name, timed(train_step, data)))
     text = target.config.get_text_config()
-    medusa_cfg = MedusaTrainConfig()
-    heads = MedusaHeads(MedusaConfig(text.hidden_size, vocab, num_heads=medusa_cfg.num_heads))
+    medusa_cfg = load_config(MedusaRunConfig, CONFIGS / "medusa1_smollm2.yaml").medusa
+    heads = MedusaHeads(MedusaConfig(text.hidden_size, vocab, num_heads=medusa_cfg.num_heads,
+                                     share_lm_head=medusa_cfg.share_lm_head))
     heads.init_from_lm_head(target.get_output_embeddings().weight)
+    shared = target.get_output_embeddings() if medusa_cfg.share_lm_head else None
     optimizer = torch.optim.AdamW(heads.parameters(), lr=1e-3)
 
     def medusa_step(batch):
         with torch.no_grad():
             hidden = target(input_ids=batch["input_ids"], output_hidden_states=True).hidden_states[-1]
-        loss, _ = medusa_loss_from_hidden(heads, hidden, batch["input_ids"], batch["loss_mask"])
+        loss, _ = medusa_loss_from_hidden(heads, hidden, batch["input_ids"], batch["loss_mask"], lm_head=shared)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
 
-    rows.append((f"Medusa-1 online ({medusa_cfg.num_heads} heads)", timed(medusa_step, data)))
+    lm_heads = "shared lm_head" if medusa_cfg.share_lm_head else "own lm_heads"
+    rows.append((f"Medusa-1 online ({medusa_cfg.num_heads} heads, {lm_heads})", timed(medusa_step, data)))
     floor_tps = tokens / statistics.median(rows[0][1])
     print(f"\nbatch {args.batch_size} x {args.seq_len} tokens, {args.steps} timed steps, {torch.get_num_threads()} "
           f"threads, medians\n")

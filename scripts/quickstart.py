@@ -1,7 +1,7 @@
 """Main job, end to end on the default target: fetch SmolLM2-135M-Instruct, build self-distilled data,
 train an EAGLE-3 head briefly, decode held-out chat prompts, print tau and speedup.
 
-    python scripts/quickstart.py [--prompts 48] [--steps 60] [--max-new-tokens 64]
+    python scripts/quickstart.py [--prompts 48] [--steps 100] [--max-new-tokens 64]
 
 Each stage runs the project's own command (printed first) and is reused when its output exists: the
 committed self-distilled set data/smollm2/regen (2,048 chats, rebuilt by the command in data/SOURCES.md) is
@@ -39,7 +39,7 @@ def run(command: list[str]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=48, help="training prompts to self-distill")
-    parser.add_argument("--steps", type=int, default=60, help="optimizer steps of the EAGLE-3 head")
+    parser.add_argument("--steps", type=int, default=100, help="optimizer steps of the EAGLE-3 head")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--eval-prompts", type=int, default=3)
     parser.add_argument("--out", default="runs/quickstart")
