@@ -276,6 +276,7 @@ def build_methods(args, model) -> tuple[list[Method], dict, dict]:
     return methods, loaded, targets
 
 
+@torch.no_grad()  # a decorator, not set_grad_enabled(False): callers (tests) get their grad mode back
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=DEFAULT_TARGET)
@@ -295,7 +296,6 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    torch.set_grad_enabled(False)
     args.out.mkdir(parents=True, exist_ok=True)
     model, tokenizer = load_target(args.model)
     methods, loaded, targets = build_methods(args, model)

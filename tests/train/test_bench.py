@@ -48,6 +48,7 @@ def test_bench_runs_every_method_and_writes_reports(tmp_path, tiny_target_dir, h
         "--calibration-prompts", "1", "--max-new-tokens", "12", "--temperatures", "0", "1", "--size-tree",
         "--repeats", "1", "--threads", "1", "--out", str(out),
     ])  # fmt: skip
+    assert torch.is_grad_enabled()  # the benchmark leaves the caller's grad mode alone
     printed = capsys.readouterr().out
     assert "### Temperature 0: tau / speedup per category" in printed and "### Temperature 1" in printed
     assert sorted(p.name for p in out.iterdir()) == ["acceptance.png", "bench.json", "bench.md", "speedup_vs_tree.png"]
