@@ -83,7 +83,7 @@ def main() -> None:
     print("\n| head | prompts | tau (tokens per target pass, bonus incl.) | speedup (plain/spec time) | "
           "plain tok/s | spec tok/s |")
     print("|---|---|---|---|---|---|")
-    print(f"| EAGLE-3, {args.steps} steps on {args.prompts} self-distilled chats | {len(results)} | {tau:.2f} | "
+    print(f"| EAGLE-3, {args.steps} steps of 4 on data/smollm2/regen | {len(results)} | {tau:.2f} | "
           f"{speedup:.2f}x | {plain_tps:.1f} | {spec_tps:.1f} |")
     print("\nmedians over prompts, measured in this process; outputs identical to plain greedy decoding.")
 
