@@ -16,7 +16,7 @@ from transformers import DynamicCache
 
 from decode.accept import accept_greedy, accept_sampling, accept_typical, target_probs
 from decode.propose import Drafter, make_drafter, propose
-from decode.tree import DEFAULT_MEDUSA_TREE, DEFAULT_TREES, DynamicTree, TreeBuffers, build_tree, node_depths
+from decode.tree import DEFAULT_MEDUSA_TREE, DEFAULT_TREES, DynamicTree, TreeBuffers, build_tree
 from decode.verify import compact_cache, verify
 from heads.eagle import EagleHead
 from heads.features import FeatureCapture
@@ -37,7 +37,6 @@ class GenerateOutput:
     offered_ranks: list[list[int]] = field(default_factory=list)  # [d-1][r]: steps offering a rank-r child below
     #                                                                the accepted depth-(d-1) node
     draft_nodes: int = 0                # draft tokens proposed over all steps (root excluded)
-    draft_depth: int = 0                # deepest draft level proposed in any step
     seconds: float = 0.0
     stopped_at_eos: bool = False
 
@@ -162,7 +161,7 @@ def generate(model: nn.Module, input_ids: Tensor, heads: nn.Module | None = None
         past = prompt.shape[1]
         if drafter is not None:
             drafter.advance(capture.features()[0], torch.cat([prompt[0, 1:], torch.tensor([root], device=device)]))
-        steps, per_depth, per_rank, offered, drafted, draft_depth = 0, [], [], [], 0, 0
+        steps, per_depth, per_rank, offered, drafted = 0, [], [], [], 0
         while not (eos.intersection(generated[-1:]) or len(generated) >= max_new_tokens):
             draft = propose(drafter, root, tree_spec, temperature=temperature, generator=generator,
                             vocab_size=vocab_size)
@@ -175,8 +174,6 @@ def generate(model: nn.Module, input_ids: Tensor, heads: nn.Module | None = None
                 path, bonus = accept_sampling(draft, logits, temperature, top_p, top_k, generator)
             steps += 1
             drafted += len(draft) - 1
-            if len(draft) > 1:
-                draft_depth = max(draft_depth, int(node_depths(draft.parents).max()))
             _count_offered(draft, path, offered)
             for depth in range(1, len(path)):
                 if len(per_depth) < depth:
@@ -202,7 +199,7 @@ def generate(model: nn.Module, input_ids: Tensor, heads: nn.Module | None = None
         sequences=torch.cat([input_ids, torch.tensor([generated], dtype=input_ids.dtype)], dim=1),
         new_tokens=len(generated), tau=emitted_by_steps / steps if steps else 1.0, target_forwards=steps + 1,
         steps=steps, accepted_per_depth=per_depth, accepted_ranks=per_rank, offered_ranks=offered,
-        draft_nodes=drafted, draft_depth=draft_depth, seconds=seconds, stopped_at_eos=generated[-1] in eos,
+        draft_nodes=drafted, seconds=seconds, stopped_at_eos=generated[-1] in eos,
     )
 
 
