@@ -35,6 +35,7 @@ import transformers
 
 from decode import DEFAULT_TREES, DynamicTree, generate
 from decode.generate import DEFAULT_EAGLE_TREE
+from decode.layout import pretranspose_linears
 from decode.sizing import Calibration, calibrate
 from heads import load_heads
 from heads.target import DEFAULT_TARGET, load_target, merge_lora
@@ -292,6 +293,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=3, help="timing repeats of the cost measurements")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-pretranspose", action="store_true",
+                        help="keep the standard weight layout (decode/layout.py) for every method, plain included")
     parser.add_argument("--out", type=Path, default=Path("results/bench"))
     args = parser.parse_args(argv)
     if args.threads:
@@ -299,11 +302,15 @@ def main(argv: list[str] | None = None) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
     model, tokenizer = load_target(args.model)
     methods, loaded, targets = build_methods(args, model)
+    if not args.no_pretranspose:  # the same layout for every method: plain decoding's 1-row passes are unchanged
+        added = sum(pretranspose_linears(module) for module in (*targets.values(), *loaded.values()))
+        print(f"pretransposed Linear weights for multi-token passes: +{added / 2**20:.0f} MiB", file=sys.stderr)
     prompts, calibration = load_prompts(args.prompts, args.calibration_prompts if args.size_tree else 0)
     results: dict = {"command": "python scripts/bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                      "model": args.model, "threads": torch.get_num_threads(), "max_new_tokens": args.max_new_tokens,
                      "torch": torch.__version__, "transformers": transformers.__version__,
-                     "machine": platform.processor() or platform.machine(), "rows": [], "sizing": {}}  # fmt: skip
+                     "machine": platform.processor() or platform.machine(), "pretransposed": not args.no_pretranspose,
+                     "rows": [], "sizing": {}}  # fmt: skip
 
     # 1. cost-model tree sizing on the calibration prompts (disjoint from the benchmark prompts)
     for name, label in (("eagle3", "EAGLE-3 sized"), ("medusa1", "Medusa-1 sized")) if args.size_tree else ():
@@ -375,7 +382,9 @@ def run_benchmark(args, tokenizer, targets: dict, methods: list[Method], prompts
 def render(results: dict, args) -> str:
     parts = [f"Command: `{results['command']}`\n",
              (f"Target {results['model']}, fp32, {results['threads']} threads, {results['max_new_tokens']} new tokens "
-             f"at most, torch {results['torch']}, transformers {results['transformers']}. Cells: tau (tokens per "
+             f"at most, torch {results['torch']}, transformers {results['transformers']}, Linear weights "
+             f"{'pretransposed for multi-token passes' if results['pretransposed'] else 'in the standard layout'}. "
+             "Cells: tau (tokens per "
              "target forward, bonus token included) / speedup (method tok/s over plain tok/s on the same prompts, "
              "pooled) (median of per-prompt speedups). Temperature 0: outputs compared token for token with plain "
              "greedy decoding (column `same as plain`); temperature > 0: the lossless rule.")]  # fmt: skip

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from decode import generate
+from decode.layout import pretranspose_linears
 from heads import load_heads
 from heads.target import DEFAULT_TARGET, load_target
 
@@ -67,6 +68,8 @@ def main() -> None:
              "train.save_every_steps=20", "train.eval_every_steps=0", "train.eval_tau_prompts=0",
              "train.per_device_batch_size=4", "eagle.draft_vocab_size=8192"])
     head = load_heads(out / "head", target=model)
+    added = pretranspose_linears(model) + pretranspose_linears(head)  # faster multi-token passes (decode/layout.py)
+    print(f"      Linear weights pretransposed for tree verification: +{added / 2**20:.0f} MiB", flush=True)
 
     print(f"[5/5] decoding {args.eval_prompts} held-out chat prompts (never trained on), greedy", flush=True)
     rows = [json.loads(line) for line in (DATA / "prompts_eval.jsonl").read_text().splitlines()[: args.eval_prompts]]

@@ -132,6 +132,8 @@ class EagleTrainConfig:
     feature_loss_weight: float = 1.0  # eagle1 SmoothL1 feature loss weight (EAGLE-1: 1.0); eagle3 has none
     ce_loss_weight: float = 0.1    # eagle1 soft-CE weight (EAGLE-1: 0.1); eagle3's TTT soft-CE is unweighted
     fc_bias: bool = False          # bias on fc; False matches vLLM / SGLang exports (old EAGLE-1 had one)
+    init_from: str | None = None   # exported head folder to start from (more epochs, new data); its sizes,
+                                   # taps and draft vocabulary win over aux_layer_ids / draft_vocab_size
 
     def __post_init__(self) -> None:
         _one_of("head_type", self.head_type, HEAD_TYPES)

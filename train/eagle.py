@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from heads import EagleConfig, EagleHead, FeatureCapture
+from heads.io import load_heads
 from heads.target import load_target
 from train.checkpoint import export_head, save_state
 from train.common import (StepLogger, backward_and_clip, check_finite, epoch_loader, load_datasets,
@@ -54,7 +55,14 @@ class EagleStep(nn.Module):
 
 
 def new_head(cfg: EagleTrainConfig, target: nn.Module, train_set) -> EagleHead:
-    """A fresh head sized from the target; EAGLE-3 gets its draft vocabulary from the training data."""
+    """A fresh head sized from the target; EAGLE-3 gets its draft vocabulary from the training data.
+    With `cfg.init_from`, the exported head in that folder instead (checked against the target)."""
+    if cfg.init_from:
+        head = load_heads(cfg.init_from, target, dtype=target.dtype, device=target.device)
+        if head.head_type != cfg.head_type:
+            raise ValueError(f"eagle.init_from={cfg.init_from} holds a {head.head_type} head, but "
+                             f"eagle.head_type is {cfg.head_type}")
+        return head.train().requires_grad_(True)
     overrides = {"fc_bias": cfg.fc_bias}
     if cfg.head_type == "eagle3":
         if cfg.aux_layer_ids is not None:

@@ -53,6 +53,7 @@ def test_bench_runs_every_method_and_writes_reports(tmp_path, tiny_target_dir, h
     assert "### Temperature 0: tau / speedup per category" in printed and "### Temperature 1" in printed
     assert sorted(p.name for p in out.iterdir()) == ["acceptance.png", "bench.json", "bench.md", "speedup_vs_tree.png"]
     assert json.loads((out / "bench.json").read_text())["rows"] == results["rows"]
+    assert results["pretransposed"] and "Linear weights pretransposed" in printed
     methods = {r["method"] for r in results["rows"]}
     assert {"prompt lookup", "Medusa-1", "Medusa-2", "EAGLE-1", "EAGLE-3 static", "EAGLE-3 dynamic"} <= methods
     for row in results["rows"]:

@@ -111,6 +111,22 @@ def test_resume_continues_and_equals_an_uninterrupted_run(tmp_path, overrides, r
     assert_same_weights(head_weights(resumed), head_weights(straight))
 
 
+def test_init_from_starts_at_an_exported_head_and_keeps_its_draft_vocab(tmp_path, overrides, run_recipe):
+    first, second = tmp_path / "first", tmp_path / "second"
+    run_recipe(overrides(first, *FAST, "train.max_steps=2"))
+    # lr 1e-12: one Adam step moves each weight by ~1e-12, so the export must equal the head it started from;
+    # draft_vocab_size=512 is overridden by the loaded head's own vocabulary (256)
+    run_recipe(overrides(second, *FAST, "eagle.draft_vocab_size=512", f"eagle.init_from='{first / 'head'}'",
+                         "train.max_steps=1", "train.learning_rate=1e-12"))
+    config = json.loads((second / "head" / "config.json").read_text())
+    assert config["head_config"]["draft_vocab_size"] == 256
+    assert_same_weights(head_weights(second), head_weights(first), atol=1e-8)
+
+    with pytest.raises(ValueError, match=r"holds a eagle3 head, but eagle.head_type is eagle1"):
+        run_recipe(overrides(tmp_path / "third", "train.eval_tau_prompts=0", "eagle.head_type=eagle1",
+                             f"eagle.init_from='{first / 'head'}'", "train.max_steps=1"))
+
+
 def test_latest_state_ignores_partial_states(tmp_path):
     root = tmp_path / "state"
     for step in (1, 3):
