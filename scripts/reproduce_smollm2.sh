@@ -5,8 +5,9 @@
 #   bash scripts/reproduce_smollm2.sh
 #
 # EAGLE-3, Medusa-1 and EAGLE-1 read one offline dump (data.hidden_states=offline); Medusa-2 trains LoRA on the
-# target, so it runs the target online, briefly. Core 1 trains EAGLE-3 (one epoch), then EAGLE-1 (briefly); core 2
-# Medusa-1 (150 steps), then Medusa-2 (briefly). Sized to take about 35 minutes after the dump on 2 cores.
+# target, so it runs the target online, briefly. Core 1 trains EAGLE-3 (one epoch, then twice two more, each
+# from the last head with a fresh, lower schedule: five epochs), then EAGLE-1 (briefly); core 2 Medusa-1 (150
+# steps), then Medusa-2 (briefly). About two hours after the dump on 2 cores, most of it EAGLE-3.
 # Logs go to runs/*.log. Needs pip install -e ".[train,bench]".
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,6 +24,13 @@ export OMP_NUM_THREADS=1
 {
     accelerate launch --num_processes 1 train/eagle.py configs/eagle3_smollm2.yaml "${OFFLINE[@]}" "${COMMON[@]}" \
         train.num_epochs=1 train.learning_rate=6e-4 train.warmup_ratio=0.05 > runs/eagle3_smollm2.log 2>&1
+    accelerate launch --num_processes 1 train/eagle.py configs/eagle3_smollm2.yaml "${OFFLINE[@]}" "${COMMON[@]}" \
+        train.num_epochs=2 train.learning_rate=3e-4 train.warmup_ratio=0.02 eagle.init_from=runs/eagle3_smollm2/head \
+        train.output_dir=runs/eagle3_smollm2_cont > runs/eagle3_smollm2_cont.log 2>&1
+    accelerate launch --num_processes 1 train/eagle.py configs/eagle3_smollm2.yaml "${OFFLINE[@]}" "${COMMON[@]}" \
+        train.num_epochs=2 train.learning_rate=2e-4 train.warmup_ratio=0.02 \
+        eagle.init_from=runs/eagle3_smollm2_cont/head train.output_dir=runs/eagle3_smollm2_cont2 \
+        > runs/eagle3_smollm2_cont2.log 2>&1
     accelerate launch --num_processes 1 train/eagle.py configs/eagle1_smollm2.yaml "${OFFLINE[@]}" "${COMMON[@]}" \
         train.max_steps=60 train.learning_rate=6e-4 train.warmup_ratio=0.05 > runs/eagle1_smollm2.log 2>&1
 } &
@@ -38,6 +46,6 @@ wait "$core1"
 wait "$core2"
 unset OMP_NUM_THREADS
 
-python scripts/bench.py --eagle3 runs/eagle3_smollm2/head --eagle1 runs/eagle1_smollm2/head \
+python scripts/bench.py --eagle3 runs/eagle3_smollm2_cont2/head --eagle1 runs/eagle1_smollm2/head \
     --medusa1 runs/medusa1_smollm2/head --medusa2 runs/medusa2_smollm2 --prompts 3 --max-new-tokens 64 \
     --temperatures 0 1 --size-tree --out results/bench_smollm2
