@@ -49,3 +49,9 @@ unset OMP_NUM_THREADS
 python scripts/bench.py --eagle3 runs/eagle3_smollm2_cont2/head --eagle1 runs/eagle1_smollm2/head \
     --medusa1 runs/medusa1_smollm2/head --medusa2 runs/medusa2_smollm2 --prompts 3 --max-new-tokens 64 \
     --temperatures 0 1 --size-tree --out results/bench_smollm2
+
+# Medusa-1 for two epochs (both threads), benchmarked on its own: README "Medusa-1, two epochs"
+OMP_NUM_THREADS=2 accelerate launch --num_processes 1 train/medusa.py configs/medusa1_smollm2.yaml "${OFFLINE[@]}" \
+    "${COMMON[@]}" train.num_epochs=2 train.output_dir=runs/medusa1_smollm2_e2 > runs/medusa1_smollm2_e2.log 2>&1
+python scripts/bench.py --medusa1 runs/medusa1_smollm2_e2/head --prompts 3 --max-new-tokens 64 --temperatures 0 1 \
+    --size-tree --out results/bench_smollm2_medusa1_e2
