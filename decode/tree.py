@@ -48,6 +48,15 @@ class DynamicTree:
                 raise ValueError(f"DynamicTree.{name} must be >= 1, got {getattr(self, name)}")
 
 
+def tree_label(tree: DynamicTree | str | Sequence[Sequence[int]]) -> str:
+    """A one-line description of a tree argument of `decode.generate` (reports, benchmark tables)."""
+    if isinstance(tree, DynamicTree):
+        return f"dynamic(depth={tree.depth}, top_k={tree.top_k}, total={tree.total_tokens})"
+    if isinstance(tree, str):
+        return f"static {tree} ({len(DEFAULT_TREES[tree])} nodes)"
+    return f"static, {len(tree)} nodes, depth {max(len(p) for p in tree)}"
+
+
 def ancestor_mask(parents: Tensor) -> Tensor:
     """(N, N) bool: [i, j] is True when j == i or j is an ancestor of i. Parents must precede children."""
     n = parents.numel()

@@ -37,6 +37,7 @@ from decode import DEFAULT_TREES, DynamicTree, generate
 from decode.generate import DEFAULT_EAGLE_TREE
 from decode.layout import pretranspose_linears
 from decode.sizing import Calibration, calibrate
+from decode.tree import tree_label
 from heads import load_heads
 from heads.target import DEFAULT_TARGET, load_target, merge_lora
 
@@ -192,14 +193,6 @@ def sizing_record(calibration: Calibration, methods: list[Method], heads, label:
     tree = as_tree(calibration.candidates[0].tree)
     record["chosen"] = tree_label(tree)
     return record, Method(label, heads, tree, tree_label="cost model: " + tree_label(tree))
-
-
-def tree_label(tree) -> str:
-    if isinstance(tree, DynamicTree):
-        return f"dynamic(depth={tree.depth}, top_k={tree.top_k}, total={tree.total_tokens})"
-    if isinstance(tree, str):
-        return f"static {tree} ({len(DEFAULT_TREES[tree])} nodes)"
-    return f"static, {len(tree)} nodes, depth {max(len(p) for p in tree)}"
 
 
 def markdown(headers: list[str], rows: list[list[str]]) -> str:

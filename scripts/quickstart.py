@@ -24,10 +24,11 @@ from pathlib import Path
 
 import torch
 
-from decode import DynamicTree, generate
+from decode import generate
 from decode.generate import DEFAULT_EAGLE_TREE
 from decode.layout import pretranspose_linears
 from decode.sizing import calibrate
+from decode.tree import tree_label
 from heads import load_heads
 from heads.target import DEFAULT_TARGET, load_target
 
@@ -78,7 +79,10 @@ def main() -> None:
     print(f"      Linear weights pretransposed for tree verification: +{added / 2**20:.0f} MiB", flush=True)
 
     prompts = [json.loads(line) for line in (DATA / "prompts_eval.jsonl").read_text().splitlines()]
-    rows, calibration_rows = prompts[: args.eval_prompts], prompts[-2:]  # disjoint: the pool holds hundreds
+    if args.eval_prompts + 2 > len(prompts):
+        raise SystemExit(f"--eval-prompts {args.eval_prompts} + 2 calibration prompts exceed the {len(prompts)} "
+                         "held-out prompts")
+    rows, calibration_rows = prompts[: args.eval_prompts], prompts[-2:]  # disjoint
 
     def as_ids(row: dict) -> torch.Tensor:
         return tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True, return_tensors="pt",
@@ -91,6 +95,8 @@ def main() -> None:
                            verify_sizes=(1, 2, 4, 8, 12, 16))
         if sizing.candidates:
             trees["cost-model tree"] = sizing.candidates[0].tree
+        else:
+            print("      no draft was accepted on the calibration prompts: no tree can beat plain decoding", flush=True)
     print(f"[{total}/{total}] decoding {args.eval_prompts} held-out prompts (never "
           "trained on), greedy", flush=True)
     results = {name: [] for name in trees}
@@ -108,15 +114,10 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for name, tree in trees.items():
         tau, speedup, plain_tps, spec_tps = (statistics.median(col) for col in zip(*results[name]))
-        print(f"| EAGLE-3, {args.steps} steps of 4 on data/smollm2/regen | {name}: {describe(tree)} | "
+        print(f"| EAGLE-3, {args.steps} steps of 4 on data/smollm2/regen | {name}: {tree_label(tree)} | "
               f"{len(rows)} | {tau:.2f} | {speedup:.2f}x | {plain_tps:.1f} | {spec_tps:.1f} |")
     print("\nmedians over prompts, measured in this process; outputs identical to plain greedy decoding.")
 
-
-def describe(tree) -> str:
-    if isinstance(tree, DynamicTree):
-        return f"dynamic(depth={tree.depth}, top_k={tree.top_k}, total={tree.total_tokens})"
-    return f"static, {len(tree)} nodes"
 
 if __name__ == "__main__":
     main()
