@@ -53,7 +53,8 @@ class GenerateOutput:
         return rates
 
 
-def _resolve_tree(heads: nn.Module | None, tree) -> TreeBuffers | DynamicTree | None:
+def resolve_tree(heads: nn.Module | None, tree) -> TreeBuffers | DynamicTree | None:
+    """The tree `generate` decodes with for these heads and `tree` argument (None for plain decoding)."""
     if heads is None:
         return None
     if tree is None and isinstance(heads, (EagleHead, Drafter)):
@@ -139,7 +140,7 @@ def generate(model: nn.Module, input_ids: Tensor, heads: nn.Module | None = None
     drafter = make_drafter(heads, model) if heads is not None else None
     if heads is not None and not isinstance(heads, Drafter):
         _check_heads(heads, model)
-    tree_spec = _resolve_tree(heads, tree)
+    tree_spec = resolve_tree(heads, tree)
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
     eos = _eos_set(model, eos_token_id)
     vocab_size = model.get_output_embeddings().weight.shape[0]

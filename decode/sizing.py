@@ -27,6 +27,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from decode.generate import GenerateOutput, generate
+from decode.layout import can_pack, is_pretransposed, pack_linears, packed_rows
 from decode.propose import make_drafter, propose
 from decode.tree import DraftTree, DynamicTree, TreeBuffers, build_tree
 from decode.verify import verify
@@ -183,12 +184,17 @@ def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
 def measure_verify_cost(
     model: nn.Module, context: torch.Tensor, sizes: Sequence[int], repeats: int = 5
 ) -> dict[int, float]:
-    """Median seconds of one tree verify forward over n tokens (chain-shaped) above a cached `context` (1, T)."""
+    """Median seconds of one tree verify forward over n tokens (chain-shaped) above a cached `context` (1, T).
+    A pretransposed target (`decode.layout`) is measured packed for each n, as `pack_for_tree` packs it to decode
+    with an n-token tree, and is left packed as it was."""
     cache = DynamicCache(config=model.config)
     model(input_ids=context, cache=cache, use_cache=True, logits_to_keep=1)
     past = context.shape[1]
     costs = {}
+    pack, before = is_pretransposed(model) and can_pack(), packed_rows(model)
     for n in sizes:
+        if pack:  # a pretransposed target decodes packed for its tree (`pack_for_tree`): measure n that way
+            pack_linears(model, n if n >= 2 else None)
         tokens = torch.randint(0, model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(n))
         tree = DraftTree(
             tokens=tokens, parents=torch.arange(-1, n - 1), ranks=torch.zeros(n, dtype=torch.long)
@@ -199,6 +205,8 @@ def measure_verify_cost(
             cache.crop(-n)  # transformers 5.x: drop the n positions just verified
 
         costs[n] = _median_seconds(run, repeats)
+    if pack:
+        pack_linears(model, before)
     return costs
 
 
@@ -224,7 +232,17 @@ def measure_propose_cost(model: nn.Module, heads: nn.Module, context: torch.Tens
         drafter.advance(features[-keep:], tokens[-keep:])  # EAGLE: its draft cache grows a little per call
         propose(drafter, root, tree, temperature=0.0, generator=None, vocab_size=vocab)
 
-    return [_median_seconds(lambda t=tree: step(t), repeats) for tree in trees]
+    def measure(tree) -> float:
+        if pack:  # packed as `pack_for_tree` packs it for this tree
+            pack_linears(heads, tree.top_k if isinstance(tree, DynamicTree) and tree.top_k >= 2 else None)
+        return _median_seconds(lambda: step(tree), repeats)
+
+    pack = isinstance(heads, EagleHead) and is_pretransposed(heads) and can_pack()
+    before = packed_rows(heads)
+    costs = [measure(tree) for tree in trees]
+    if pack:
+        pack_linears(heads, before)
+    return costs
 
 
 @dataclass

@@ -57,6 +57,16 @@ def tree_label(tree: DynamicTree | str | Sequence[Sequence[int]]) -> str:
     return f"static, {len(tree)} nodes, depth {max(len(p) for p in tree)}"
 
 
+def verify_rows(tree: DynamicTree | TreeBuffers | str | Sequence[Sequence[int]]) -> int:
+    """Tokens one verify forward passes for this tree, root included (a dynamic tree's when the drafter reaches
+    its full size): what `decode.layout.pack_linears` packs for."""
+    if isinstance(tree, DynamicTree):
+        return tree.total_tokens + 1
+    if isinstance(tree, TreeBuffers):
+        return len(tree)
+    return len(DEFAULT_TREES[tree] if isinstance(tree, str) else tree) + 1
+
+
 def ancestor_mask(parents: Tensor) -> Tensor:
     """(N, N) bool: [i, j] is True when j == i or j is an ancestor of i. Parents must precede children."""
     n = parents.numel()

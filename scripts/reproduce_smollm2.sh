@@ -6,8 +6,9 @@
 #
 # EAGLE-3, Medusa-1 and EAGLE-1 read one offline dump (data.hidden_states=offline); Medusa-2 trains LoRA on the
 # target, so it runs the target online, briefly. Core 1 trains EAGLE-3 (one epoch, then twice two more, each
-# from the last head with a fresh, lower schedule: five epochs), then EAGLE-1 (briefly); core 2 Medusa-1 (150
-# steps), then Medusa-2 (briefly). About two hours after the dump on 2 cores, most of it EAGLE-3.
+# from the last head with a fresh, lower schedule: five epochs), then EAGLE-1 (briefly); core 2 Medusa-1 (two
+# epochs), then Medusa-2 (briefly). Then, on both cores, EAGLE-3 two more epochs with 5 TTT steps instead of 3.
+# About three hours after the dump on 2 cores, most of it EAGLE-3.
 # Logs go to runs/*.log. Needs pip install -e ".[train,bench]".
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -37,21 +38,20 @@ export OMP_NUM_THREADS=1
 core1=$!
 {
     accelerate launch --num_processes 1 train/medusa.py configs/medusa1_smollm2.yaml "${OFFLINE[@]}" "${COMMON[@]}" \
-        train.max_steps=150 > runs/medusa1_smollm2.log 2>&1
+        train.num_epochs=2 train.output_dir=runs/medusa1_smollm2_e2 > runs/medusa1_smollm2_e2.log 2>&1
     accelerate launch --num_processes 1 train/medusa.py configs/medusa2_smollm2.yaml train.eval_every_steps=0 \
         train.save_every_steps=20 train.max_steps=40 medusa.heads_only_steps=15 > runs/medusa2_smollm2.log 2>&1
 } &
 core2=$!
 wait "$core1"
 wait "$core2"
+export OMP_NUM_THREADS=2
+accelerate launch --num_processes 1 train/eagle.py configs/eagle3_smollm2.yaml "${OFFLINE[@]}" "${COMMON[@]}" \
+    train.num_epochs=2 train.learning_rate=2e-4 train.warmup_ratio=0.02 eagle.ttt_steps=5 \
+    eagle.init_from=runs/eagle3_smollm2_cont2/head train.output_dir=runs/eagle3_smollm2_ttt5 \
+    > runs/eagle3_smollm2_ttt5.log 2>&1
 unset OMP_NUM_THREADS
 
-python scripts/bench.py --eagle3 runs/eagle3_smollm2_cont2/head --eagle1 runs/eagle1_smollm2/head \
-    --medusa1 runs/medusa1_smollm2/head --medusa2 runs/medusa2_smollm2 --prompts 3 --max-new-tokens 64 \
+python scripts/bench.py --eagle3 runs/eagle3_smollm2_ttt5/head --eagle1 runs/eagle1_smollm2/head \
+    --medusa1 runs/medusa1_smollm2_e2/head --medusa2 runs/medusa2_smollm2 --prompts 3 --max-new-tokens 64 \
     --temperatures 0 1 --size-tree --out results/bench_smollm2
-
-# Medusa-1 for two epochs (both threads), benchmarked on its own: README "Medusa-1, two epochs"
-OMP_NUM_THREADS=2 accelerate launch --num_processes 1 train/medusa.py configs/medusa1_smollm2.yaml "${OFFLINE[@]}" \
-    "${COMMON[@]}" train.num_epochs=2 train.output_dir=runs/medusa1_smollm2_e2 > runs/medusa1_smollm2_e2.log 2>&1
-python scripts/bench.py --medusa1 runs/medusa1_smollm2_e2/head --prompts 3 --max-new-tokens 64 --temperatures 0 1 \
-    --size-tree --out results/bench_smollm2_medusa1_e2

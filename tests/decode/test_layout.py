@@ -1,5 +1,6 @@
-"""decode/layout.py: the transposed weight copy computes the same products, is used only from `min_rows` rows on,
-and speculative decoding on pretransposed models still equals plain decoding token for token."""
+"""decode/layout.py: the transposed weight copy and the MKL-packed weights compute the same products, are used only
+for the row counts they are meant for, and speculative decoding on pretransposed and packed models still equals
+plain decoding token for token."""
 
 import copy
 
@@ -8,7 +9,11 @@ import torch
 from torch import nn
 
 from decode import generate
-from decode.layout import is_pretransposed, pretranspose_linears
+from decode.generate import DEFAULT_EAGLE_TREE
+from decode.layout import can_pack, is_pretransposed, pack_for_tree, pack_linears, packed_rows, pretranspose_linears
+from decode.sizing import measure_verify_cost
+from decode.tree import DEFAULT_MEDUSA_TREE, DEFAULT_TREES, DynamicTree, build_tree, verify_rows
+from heads.medusa import MedusaConfig, MedusaHeads
 from heads.eagle import EagleConfig, EagleHead
 
 PROMPT = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(1))
@@ -68,3 +73,108 @@ def test_greedy_speculative_decoding_on_pretransposed_models_equals_plain(any_ta
     assert out.sequences.tolist() == plain.tolist()
     if tree == "oracle":
         assert out.tau > 1.5
+
+
+needs_mkl = pytest.mark.skipif(not can_pack(), reason="this torch build has no MKL packed sgemm")
+
+
+@needs_mkl
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(5,), (1, 5), (5, 1)], ids=str)  # 5 rows, 2-D and 3-D
+def test_packed_linear_computes_the_same_product(shape, bias):
+    torch.manual_seed(0)
+    layer = nn.Linear(24, 40, bias=bias)
+    inputs = torch.randn(*shape, 24)
+    before = layer(inputs)
+    pretranspose_linears(layer, min_rows=2)
+    held = pack_linears(layer, 5)
+    assert held > 0 and packed_rows(layer) == 5
+    after = layer(inputs)
+    assert after.shape == before.shape
+    torch.testing.assert_close(after, before, rtol=1e-6, atol=1e-6)
+
+
+@needs_mkl
+def test_packed_weight_is_read_at_exactly_its_row_count_and_replaced_or_dropped():
+    torch.manual_seed(0)
+    layer = nn.Linear(8, 6)
+    pretranspose_linears(layer, min_rows=2)
+    pack_linears(layer, 3)
+    # poison: the buffer of a zero weight (an opaque MKL format, so packed by MKL itself); only 3-row passes read it
+    layer._selfspec_packed = (3, torch.ops.mkl._mkl_reorder_linear_weight(torch.zeros_like(layer.weight), 3))
+    rows = torch.randn(4, 8)
+    assert torch.equal(layer(rows[:3]), layer.bias.expand(3, 6))
+    for n in (1, 2, 4):
+        torch.testing.assert_close(layer(rows[:n]), nn.functional.linear(rows[:n], layer.weight, layer.bias))
+    pack_linears(layer, 4)  # a new row count replaces the poisoned buffer
+    assert packed_rows(layer) == 4
+    torch.testing.assert_close(layer(rows[:3]), nn.functional.linear(rows[:3], layer.weight, layer.bias))
+    torch.testing.assert_close(layer(rows), nn.functional.linear(rows, layer.weight, layer.bias))
+    assert pack_linears(layer, None) == 0 and packed_rows(layer) is None
+
+
+def test_pack_linears_skips_layers_that_were_not_pretransposed_and_checks_rows():
+    layer = nn.Linear(4, 4)
+    assert pack_linears(layer, 3) == 0 and packed_rows(layer) is None
+    with pytest.raises(ValueError, match="rows must be >= 2"):
+        pack_linears(layer, 1)
+
+
+def test_verify_rows_counts_the_root():
+    assert verify_rows(DynamicTree(depth=5, top_k=4, total_tokens=12)) == 13
+    assert verify_rows("tree8") == len(DEFAULT_TREES["tree8"]) + 1
+    assert verify_rows([(0,), (1,), (0, 0)]) == 4
+    assert verify_rows(build_tree([(0,), (1,), (0, 0)])) == 4
+
+
+@needs_mkl
+def test_pack_for_tree_packs_target_and_eagle_head_for_the_tree(build_target):
+    target = copy.deepcopy(build_target("llama"))
+    head = EagleHead(EagleConfig.from_target(target.config, "eagle3", draft_vocab_size=64)).eval()
+    medusa = MedusaHeads(MedusaConfig(hidden_size=32, vocab_size=128, num_heads=3)).eval()
+    pack_for_tree(target, head, None)  # nothing pretransposed: nothing packed
+    assert packed_rows(target) is None and packed_rows(head) is None
+    pretranspose_linears(target)
+    pretranspose_linears(head)
+    pack_for_tree(target, head, None)  # the default EAGLE tree
+    assert packed_rows(target) == DEFAULT_EAGLE_TREE.total_tokens + 1 and packed_rows(head) == DEFAULT_EAGLE_TREE.top_k
+    pack_for_tree(target, head, "tree8")  # static: the head's rows vary per level, it is not packed
+    assert packed_rows(target) == verify_rows("tree8") and packed_rows(head) is None
+    pack_for_tree(target, medusa, None)  # the default Medusa tree, cut to the 3 heads' depth
+    assert packed_rows(target) == verify_rows([p for p in DEFAULT_TREES[DEFAULT_MEDUSA_TREE] if len(p) <= 3])
+    pack_for_tree(target, None, None)
+    assert packed_rows(target) is None
+
+
+@needs_mkl
+def test_verify_cost_is_measured_packed_and_leaves_the_packing_as_it_was(build_target):
+    target = copy.deepcopy(build_target("llama"))
+    pretranspose_linears(target)
+    pack_linears(target, 7)
+    seen = []
+    original = target.forward
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs["input_ids"].shape[1], packed_rows(target)))
+        return original(*args, **kwargs)
+
+    target.forward = spy
+    measure_verify_cost(target, PROMPT, [1, 3, 5], repeats=1)
+    assert {rows: packed for rows, packed in seen[1:]} == {1: None, 3: 3, 5: 5}
+    assert packed_rows(target) == 7
+
+
+@needs_mkl
+@pytest.mark.parametrize("tree", [DynamicTree(depth=4, top_k=3, total_tokens=9), "tree8"], ids=str)
+def test_greedy_speculative_decoding_on_packed_models_equals_plain(any_target, tree, rank_oracle):
+    plain = generate(any_target, PROMPT, max_new_tokens=48).sequences  # the oracle knows 8 tokens more than decoded
+    target = copy.deepcopy(any_target)
+    with torch.no_grad():
+        features = target(plain, output_hidden_states=True).hidden_states[-1][0]
+    head = rank_oracle(plain[0].tolist(), 128, [1 / 3] * 3, features=features)
+    pretranspose_linears(target, min_rows=2)
+    pack_for_tree(target, head, tree)
+    assert packed_rows(target) == verify_rows(tree)
+    out = generate(target, PROMPT, head, max_new_tokens=40, tree=tree)
+    assert out.sequences.tolist() == plain[:, : PROMPT.shape[1] + 40].tolist()
+    assert out.tau > 1.5

@@ -36,8 +36,15 @@ def test_shared_lm_head_needs_the_target_projection():
     with pytest.raises(ValueError, match="lm_head="):
         heads(hidden)
     lm_head = _lm_head()
-    out = heads(hidden, lm_head=lm_head)
-    torch.testing.assert_close(out[1], lm_head(heads.blocks[1](hidden)), atol=0, rtol=0)
+    with torch.no_grad():  # heads that differ from one another (fresh blocks are all the identity)
+        for block in heads.blocks:
+            block[0].linear.weight.normal_(0, 0.1)
+    out = heads(hidden, lm_head=lm_head)  # one K-row pass of the shared lm_head
+    assert out.shape == (3, 1, 4, V)
+    for k in range(3):
+        torch.testing.assert_close(out[k], lm_head(heads.blocks[k](hidden)), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out[k], heads.head_logits(k, hidden, lm_head), atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(out[0], out[1])
     heads.init_from_lm_head(lm_head.weight)  # a no-op without own projections, not an error
 
 
