@@ -10,11 +10,18 @@ from torch import nn
 
 from decode import generate
 from decode.generate import DEFAULT_EAGLE_TREE
-from decode.layout import can_pack, is_pretransposed, pack_for_tree, pack_linears, packed_rows, pretranspose_linears
+from decode.layout import (
+    can_pack,
+    is_pretransposed,
+    pack_for_tree,
+    pack_linears,
+    packed_rows,
+    pretranspose_linears,
+)
 from decode.sizing import measure_verify_cost
 from decode.tree import DEFAULT_MEDUSA_TREE, DEFAULT_TREES, DynamicTree, build_tree, verify_rows
-from heads.medusa import MedusaConfig, MedusaHeads
 from heads.eagle import EagleConfig, EagleHead
+from heads.medusa import MedusaConfig, MedusaHeads
 
 PROMPT = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(1))
 
