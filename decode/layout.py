@@ -61,12 +61,12 @@ def pack_linears(module: nn.Module, rows: int | None) -> int:
     """
     if rows is not None and rows < 2:
         raise ValueError(f"rows must be >= 2 (one-row passes keep the original weight), got {rows}")
-    held = 0
+    held, packable = 0, rows is not None and can_pack()
     for layer in module.modules():
         if not isinstance(layer, nn.Linear) or not hasattr(layer, _ATTR):
             continue
         current = getattr(layer, _PACKED, None)
-        if rows is None or not can_pack() or layer.weight.dtype != torch.float32:
+        if not packable or layer.weight.dtype != torch.float32:
             if current is not None:
                 delattr(layer, _PACKED)
             continue
@@ -128,11 +128,19 @@ def pack_for_tree(target: nn.Module, heads: nn.Module | None, tree) -> None:
             the heads' default tree).
     """
     from decode.generate import resolve_tree
-    from decode.tree import DynamicTree, verify_rows
-    from heads.eagle import EagleHead
+    from decode.tree import verify_rows
 
     tree = resolve_tree(heads, tree)
     pack_linears(target, None if tree is None else verify_rows(tree))
     if isinstance(heads, nn.Module):
-        dynamic = isinstance(heads, EagleHead) and isinstance(tree, DynamicTree) and tree.top_k >= 2
-        pack_linears(heads, tree.top_k if dynamic else None)
+        pack_linears(heads, head_rows(heads, tree))
+
+
+def head_rows(heads: nn.Module, tree) -> int | None:
+    """The row count a draft head is packed for with this (resolved) tree: an EAGLE head's `top_k` on a dynamic
+    tree (every level expands exactly top_k nodes), else None (row counts vary or are 1)."""
+    from decode.tree import DynamicTree
+    from heads.eagle import EagleHead
+
+    dynamic = isinstance(heads, EagleHead) and isinstance(tree, DynamicTree) and tree.top_k >= 2
+    return tree.top_k if dynamic else None

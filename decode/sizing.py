@@ -27,7 +27,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from decode.generate import GenerateOutput, generate
-from decode.layout import can_pack, is_pretransposed, pack_linears, packed_rows
+from decode.layout import can_pack, head_rows, is_pretransposed, pack_linears, packed_rows
 from decode.propose import make_drafter, propose
 from decode.tree import DraftTree, DynamicTree, TreeBuffers, build_tree
 from decode.verify import verify
@@ -234,7 +234,7 @@ def measure_propose_cost(model: nn.Module, heads: nn.Module, context: torch.Tens
 
     def measure(tree) -> float:
         if pack:  # packed as `pack_for_tree` packs it for this tree
-            pack_linears(heads, tree.top_k if isinstance(tree, DynamicTree) and tree.top_k >= 2 else None)
+            pack_linears(heads, head_rows(heads, tree))
         return _median_seconds(lambda: step(tree), repeats)
 
     pack = isinstance(heads, EagleHead) and is_pretransposed(heads) and can_pack()
