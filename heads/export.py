@@ -1,4 +1,5 @@
-"""Export heads to the layouts serving engines load, validate those folders, and import published heads back.
+"""Export heads to the layouts serving engines load (validated by heads/formats.py before they are published),
+and import published heads back.
 
 Formats (REFERENCE section 3): `sglang` (EAGLE-3, LlamaForCausalLMEagle3), `speculators` (vLLM speculators
 EAGLE-3), `eagle1` (EAGLE-1 official), `medusa` (FasterDecoding original) and `medusa-vllm`. Engines drop
@@ -24,47 +25,26 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from heads.eagle import EagleConfig, EagleHead
 from heads.features import from_input_convention, to_input_convention
-from heads.io import CONFIG_NAME, WEIGHTS_NAME, check_head_matches_target, load_heads
+from heads.formats import (
+    FILES,
+    FORMATS,
+    HEAD_TYPE,
+    TAP_CONVENTION,
+    check_format,
+    detect_format,
+    validate_export,
+)
+from heads.io import CONFIG_NAME, check_head_matches_target, load_heads
 from heads.medusa import MedusaConfig, MedusaHeads
 
-FORMATS = ("sglang", "speculators", "eagle1", "medusa", "medusa-vllm")
-HEAD_TYPE = {
-    "sglang": "eagle3",
-    "speculators": "eagle3",
-    "eagle1": "eagle1",
-    "medusa": "medusa",
-    "medusa-vllm": "medusa",
-}
-MEDUSA_WEIGHTS_NAME = "medusa_lm_head.safetensors"
-FILES = {fmt: (CONFIG_NAME, MEDUSA_WEIGHTS_NAME if fmt == "medusa" else WEIGHTS_NAME) for fmt in FORMATS}
-# the tap id convention each EAGLE-3 format's config uses (see the module docstring for the sources)
-TAP_CONVENTION = {"sglang": "output", "speculators": "input"}
-_LAYER_KEYS = (
-    "self_attn.q_proj.weight",
-    "self_attn.k_proj.weight",
-    "self_attn.v_proj.weight",
-    "self_attn.o_proj.weight",
-    "mlp.gate_proj.weight",
-    "mlp.up_proj.weight",
-    "mlp.down_proj.weight",
-    "post_attention_layernorm.weight",
-)
-_EAGLE3_LAYER_KEYS = (*_LAYER_KEYS, "input_layernorm.weight", "hidden_norm.weight")
 Head = MedusaHeads | EagleHead
 
 
-def _check_format(fmt: str) -> None:
-    if fmt not in FORMATS:
-        raise ValueError(f"unknown export format {fmt!r}; valid formats: {', '.join(FORMATS)}")
-
-
-# ---------------------------------------------------------------------------------------------- state dicts
 def _rename(state: dict[str, Tensor], old: str, new: str) -> dict[str, Tensor]:
     return {(new + k[len(old) :] if k.startswith(old) else k): v for k, v in state.items()}
 
@@ -258,7 +238,7 @@ def export_head(
     Returns:
         The files written.
     """
-    _check_format(fmt)
+    check_format(fmt)
     base_model = None
     if isinstance(head_dir_or_module, (str, Path)):
         base_model = json.loads((Path(head_dir_or_module) / CONFIG_NAME).read_text()).get("base_model")
@@ -321,180 +301,7 @@ def export_head(
     return [out_dir / name for name in FILES[fmt]]
 
 
-# ------------------------------------------------------------------------------------------------ validation
-def _eagle_expected_shapes(
-    config: dict, fmt: str, errors: list[str], state_keys
-) -> dict[str, tuple[int, ...]]:
-    """Key -> shape an EAGLE export must hold, from its config; config problems go to `errors`."""
-    layer = config.get("transformer_layer_config", config) if fmt == "speculators" else config
-    need = ["hidden_size", "intermediate_size", "num_attention_heads", "vocab_size"]
-    missing = [k for k in need if k not in layer]
-    if missing:
-        errors.append(f"config lacks {missing}")
-        return {}
-    h, inter, v = layer["hidden_size"], layer["intermediate_size"], layer["vocab_size"]
-    heads = layer["num_attention_heads"]
-    kv = layer.get("num_key_value_heads") or heads
-    head_dim = layer.get("head_dim") or h // heads
-    if layer.get("num_hidden_layers") != 1:
-        errors.append(f"num_hidden_layers must be 1, got {layer.get('num_hidden_layers')!r}")
-    prefix = "layers.0." if fmt in ("speculators", "eagle1") else "midlayer."
-    attn_in = h if fmt == "eagle1" else 2 * h
-    shapes = {
-        "self_attn.q_proj.weight": (heads * head_dim, attn_in),
-        "self_attn.k_proj.weight": (kv * head_dim, attn_in),
-        "self_attn.v_proj.weight": (kv * head_dim, attn_in),
-        "self_attn.o_proj.weight": (h, heads * head_dim),
-        "mlp.gate_proj.weight": (inter, h),
-        "mlp.up_proj.weight": (inter, h),
-        "mlp.down_proj.weight": (h, inter),
-        "post_attention_layernorm.weight": (h,),
-        "input_layernorm.weight": (h,),
-        "hidden_norm.weight": (h,),
-    }
-    keys = _LAYER_KEYS if fmt == "eagle1" else _EAGLE3_LAYER_KEYS
-    expected = {prefix + k: shapes[k] for k in keys}
-    if fmt == "eagle1":
-        expected["fc.weight"] = (h, 2 * h)
-        if config.get("bias") or "fc.bias" in state_keys:  # old official checkpoints carry it unannounced
-            expected["fc.bias"] = (h,)
-        return expected
-    vd = config.get("draft_vocab_size")
-    if vd is None:
-        errors.append(
-            "config lacks draft_vocab_size (engines then assume the full vocabulary and misread lm_head)"
-        )
-        vd = -1
-    ht = config.get("target_hidden_size")
-    if ht is None:
-        if fmt == "speculators":
-            errors.append("config lacks target_hidden_size")
-        ht = h
-    if fmt == "sglang":
-        ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    else:
-        ids = config.get("eagle_aux_hidden_state_layer_ids")
-    convention = (config.get("selfspec") or {}).get("aux_layer_ids_convention")
-    if not ids:
-        errors.append("config lacks the tap ids (eagle_aux_hidden_state_layer_ids)")
-        ids = []
-    if convention is not None and convention != TAP_CONVENTION[fmt]:
-        errors.append(
-            f"tap ids are in the {convention!r}-of-layer convention, {fmt} expects {TAP_CONVENTION[fmt]!r}"
-        )
-    if fmt == "speculators":
-        spec = config.get("speculators_config") or {}
-        if config.get("speculators_model_type") != "eagle3":
-            errors.append(
-                f"speculators_model_type must be 'eagle3', got {config.get('speculators_model_type')!r}"
-            )
-        if spec.get("algorithm") != "eagle3" or not spec.get("proposal_methods") or "verifier" not in spec:
-            errors.append("speculators_config needs algorithm 'eagle3', proposal_methods and verifier")
-        expected["embed_tokens.weight"] = (v, h)
-    expected.update(
-        {
-            "fc.weight": (h, len(ids) * ht),
-            "norm.weight": (h,),
-            "lm_head.weight": (vd, h),
-            "d2t": (vd,),
-            "t2d": (v,),
-        }
-    )
-    return expected
-
-
-def _medusa_expected_shapes(config: dict, fmt: str, errors: list[str]) -> dict[str, tuple[int, ...]]:
-    names = (
-        ("medusa_num_heads", "medusa_num_layers") if fmt == "medusa" else ("num_heads", "num_hidden_layers")
-    )
-    missing = [k for k in (*names, "hidden_size", "vocab_size") if k not in config]
-    if fmt == "medusa-vllm":
-        if config.get("model_type") != "medusa":
-            errors.append(f"model_type must be 'medusa', got {config.get('model_type')!r}")
-        if config.get("medusa_fc_bias") is not True:
-            errors.append("medusa_fc_bias must be true (vLLM drops the ResBlock biases otherwise)")
-    if missing:
-        errors.append(f"config lacks {missing}")
-        return {}
-    k, n, h, v = config[names[0]], config[names[1]], config["hidden_size"], config["vocab_size"]
-    out = {}
-    for i in range(k):
-        for j in range(n):
-            base = f"{i}.{j}.linear." if fmt == "medusa" else f"blocks.{i}.layers.{j}."
-            out[base + "weight"], out[base + "bias"] = (h, h), (h,)
-        out[f"{i}.{n}.weight" if fmt == "medusa" else f"lm_heads.{i}.weight"] = (v, h)
-    return out
-
-
-def validate_export(out_dir: str | Path, fmt: str) -> None:
-    """Raise ValueError listing EVERYTHING missing or wrong in an export folder of format `fmt`.
-
-    Checks the file list, the config fields engines need, every weight key and shape (unexpected keys too:
-    engines drop them silently), fc width = taps x target hidden size, and d2t/t2d consistency.
-    """
-    _check_format(fmt)
-    out_dir = Path(out_dir)
-    config_file, weights_file = FILES[fmt]
-    errors = []
-    present = sorted(p.name for p in out_dir.iterdir()) if out_dir.is_dir() else []
-    if present != sorted(FILES[fmt]):
-        errors.append(f"files {present}, expected exactly {sorted(FILES[fmt])}")
-    try:
-        config = json.loads((out_dir / config_file).read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise ValueError(f"{out_dir} is not a valid {fmt} export: unreadable {config_file} ({err})") from err
-    try:
-        state = load_file(out_dir / weights_file)
-    except Exception as err:  # safetensors raises several types for missing/corrupt files
-        raise ValueError(f"{out_dir} is not a valid {fmt} export: unreadable {weights_file} ({err})") from err
-    if HEAD_TYPE[fmt] == "medusa":
-        expected = _medusa_expected_shapes(config, fmt, errors)
-    else:
-        expected = _eagle_expected_shapes(config, fmt, errors, set(state))
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    if missing:
-        errors.append(f"missing tensors {missing}")
-    if unexpected and expected:
-        errors.append(f"unexpected tensors {unexpected} (engines drop unknown keys silently)")
-    for key in sorted(set(expected) & set(state)):
-        if tuple(state[key].shape) != expected[key]:
-            errors.append(f"{key} has shape {tuple(state[key].shape)}, expected {expected[key]}")
-    if "d2t" in state and "t2d" in state and "d2t" not in missing:
-        d2t, t2d = state["d2t"], state["t2d"]
-        if d2t.dtype != torch.int64 or t2d.dtype != torch.bool:
-            errors.append(f"d2t must be int64 and t2d bool, got {d2t.dtype} and {t2d.dtype}")
-        elif d2t.dim() == 1 and t2d.dim() == 1:
-            mapped = d2t + torch.arange(d2t.numel())
-            hits = t2d.nonzero().flatten()
-            if hits.numel() != mapped.numel() or not torch.equal(hits, mapped):
-                errors.append("d2t and t2d disagree: nonzero(t2d) != d2t + arange(Vd)")
-    if errors:
-        raise ValueError(f"{out_dir} is not a valid {fmt} export:\n  - " + "\n  - ".join(errors))
-
-
 # --------------------------------------------------------------------------------------------------- import
-def detect_format(path: str | Path) -> str:
-    """The format of an export folder, from its config."""
-    path = Path(path)
-    if (path / MEDUSA_WEIGHTS_NAME).is_file():
-        return "medusa"
-    config = json.loads((path / CONFIG_NAME).read_text())
-    if "medusa_num_heads" in config:
-        return "medusa"
-    if config.get("model_type") == "medusa":
-        return "medusa-vllm"
-    if config.get("speculators_model_type") == "eagle3":
-        return "speculators"
-    if "LlamaForCausalLMEagle3" in (config.get("architectures") or []) or "eagle_config" in config:
-        return "sglang"
-    if config.get("num_hidden_layers") == 1 and "speculators_model_type" not in config:
-        return "eagle1"
-    raise ValueError(
-        f"{path}: cannot tell the export format from {CONFIG_NAME}; pass fmt= (one of {FORMATS})"
-    )
-
-
 def _rope_parameters(layer: dict) -> dict:
     rope = dict(layer.get("rope_parameters") or layer.get("rope_scaling") or {})
     rope.setdefault("rope_type", rope.pop("type", "default"))
@@ -551,7 +358,7 @@ def import_head(path: str | Path, fmt: str | None = None, target=None) -> Head:
     """
     path = Path(path)
     fmt = fmt or detect_format(path)
-    _check_format(fmt)
+    check_format(fmt)
     validate_export(path, fmt)
     config_file, weights_file = FILES[fmt]
     config = json.loads((path / config_file).read_text())

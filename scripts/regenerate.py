@@ -29,6 +29,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--limit", type=int, default=None, help="only the first N prompts of the file")
+    parser.add_argument("--start", type=int, default=0,
+                        help="skip the prompts before this index (with --limit: prompts start..limit-1)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--shard-size", type=int, default=256, help="rows per shard (the unit of resumption)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
@@ -41,10 +43,13 @@ def main() -> None:
         if isinstance(row, Exception):
             raise SystemExit(f"{args.prompts}:{number}: {row}")
         rows.append({"id": f"{args.prompts.name}:{number}", **row})
+    chosen = rows[args.start : args.limit]
+    if not chosen:
+        raise SystemExit(f"{args.prompts}: no prompts in [{args.start}, {args.limit}) of {len(rows)} rows")
     torch.manual_seed(args.seed)
     model, tokenizer = load_target(args.model, dtype=getattr(torch, args.dtype), device=args.device)
     stats = regenerate(
-        model, tokenizer, rows[: args.limit], args.out, batch_size=args.batch_size,
+        model, tokenizer, chosen, args.out, batch_size=args.batch_size,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, shard_size=args.shard_size,
         seed=args.seed,
     )  # fmt: skip

@@ -45,6 +45,7 @@ def dump_hidden_states(target: nn.Module, dataset: Dataset, layer_ids: tuple[int
             name = f"shard-{start // shard_size:05d}.safetensors"
             shards.append(name)
             if (out / name).is_file():
+                _check_shard(out / name, dataset, range(start, min(start + shard_size, len(dataset))))
                 continue
             tensors = {}
             for i in range(start, min(start + shard_size, len(dataset))):
@@ -63,6 +64,24 @@ def dump_hidden_states(target: nn.Module, dataset: Dataset, layer_ids: tuple[int
              "hidden_size": hidden, "dtype": str(dtype).removeprefix("torch.")}
     (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     return out
+
+
+def _check_shard(path: Path, dataset: Dataset, indices: range) -> None:
+    """Raise unless the shard at `path` holds exactly the token ids of `dataset[indices]` (a dump written from
+    other data, or with other settings, must never be trained on in silence)."""
+    with safe_open(path, framework="pt") as tensors:
+        keys = set(tensors.keys())
+        for i in indices:
+            if f"ids.{i}" not in keys:
+                raise ValueError(f"{path}: example {i} is missing; the dump was written from other data settings "
+                                 f"(write it again into an empty folder)")
+            stored, expected = tensors.get_tensor(f"ids.{i}").tolist(), list(dataset[i]["input_ids"])
+            if stored != expected:
+                where = next((t for t, (a, b) in enumerate(zip(stored, expected)) if a != b), min(len(stored),
+                                                                                                 len(expected)))
+                raise ValueError(f"{path}: example {i} holds other tokens than the training set's ({len(stored)} vs "
+                                 f"{len(expected)} tokens, first difference at token {where}); the dump was written "
+                                 f"from other data or settings: write it again into an empty folder")
 
 
 class OfflineStates:
@@ -84,6 +103,15 @@ class OfflineStates:
 
     def __len__(self) -> int:
         return self.index["examples"]
+
+    def check_matches(self, dataset: Dataset) -> None:
+        """Raise unless the dump holds `dataset`'s examples, token for token, in order."""
+        if len(self) != len(dataset):
+            raise ValueError(f"{self.root} holds {len(self)} examples but the training set has {len(dataset)}: "
+                             f"rerun scripts/dump_hidden_states.py with this run's data settings")
+        size = self.index["shard_size"]
+        for number, name in enumerate(self.index["shards"]):
+            _check_shard(self.root / name, dataset, range(number * size, min((number + 1) * size, len(dataset))))
 
     def row(self, i: int) -> dict[str, Tensor]:
         shard = self.root / self.index["shards"][i // self.index["shard_size"]]
@@ -136,8 +164,6 @@ def offline_rows(data, train_set: Dataset, pad_id: int, layer_ids: tuple[int, ..
     if data.hidden_states == "online":
         return train_set, None
     states = OfflineStates(data.offline_dir, layer_ids, softcap=softcap)
-    if len(states) != len(train_set):
-        raise ValueError(f"{data.offline_dir} holds {len(states)} examples but the training set has "
-                         f"{len(train_set)}: rerun scripts/dump_hidden_states.py with this run's data settings")
+    states.check_matches(train_set)
     return (Dataset.from_dict({"index": list(range(len(train_set)))}),
             lambda batch: states.batch([row["index"] for row in batch], pad_id, lm_head))

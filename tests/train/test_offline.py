@@ -71,3 +71,19 @@ def test_size_estimate_counts_taps_and_final_state():
     rows = Dataset.from_dict({"input_ids": [[1, 2, 3], [4, 5]], "loss_mask": [[0, 1, 1], [1, 1]]})
     assert estimate_bytes(rows, (0, 1, 2), 8, torch.float32) == 5 * ((3 + 1) * 8 * 4 + 9)
     assert estimate_bytes(rows, (-1,), 8, torch.float32) == 5 * (1 * 8 * 4 + 9)
+
+
+def test_stale_dump_is_refused_for_training_and_on_resume(tmp_path, tiny_target_dir, chat_file):
+    """A dump written from other data (same length, other tokens; or another length) is never used in silence."""
+    model, dataset = _dump(tiny_target_dir, chat_file, tmp_path / "states", (0, 1))
+    states = OfflineStates(tmp_path / "states", (0, 1))
+    states.check_matches(dataset)  # the data it was written from passes
+    changed = dataset.map(lambda row, i: {"input_ids": [row["input_ids"][0], *row["input_ids"][1:-1], 7]
+                                          if i == 3 else row["input_ids"]}, with_indices=True)  # fmt: skip
+    assert changed[3]["input_ids"] != dataset[3]["input_ids"]
+    with pytest.raises(ValueError, match=r"shard-00000.safetensors: example 3 holds other tokens"):
+        states.check_matches(changed)
+    with pytest.raises(ValueError, match=rf"holds {len(dataset)} examples but the training set has {len(dataset) - 1}"):
+        states.check_matches(dataset.select(range(len(dataset) - 1)))
+    with pytest.raises(ValueError, match="example 3 holds other tokens"):  # resuming into it with other data
+        dump_hidden_states(model, changed, (0, 1), tmp_path / "states", shard_size=8)
