@@ -154,3 +154,23 @@ def test_batched_generate_drops_finished_rows_and_matches_row_by_row(model, toke
     assert seeded[0] == seeded[1] and all(len(reply) == 6 and not stopped for reply, stopped in seeded[0])
     with pytest.raises(ValueError, match="max_new_tokens"):
         batched_generate(model, batch["input_ids"], batch["attention_mask"], 0, {stop})
+
+
+def test_script_answers_the_prompts_between_start_and_limit(tmp_path, tiny_target_dir, monkeypatch):
+    """scripts/regenerate.py --start S --limit L answers prompts S..L-1 of the file (ids name their lines)."""
+    import runpy
+    import sys
+    from pathlib import Path
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({k: v for k, v in p.items() if k != "id"}) + "\n" for p in PROMPTS))
+    script = str(Path(__file__).resolve().parents[2] / "scripts" / "regenerate.py")
+    common = ["--prompts", str(prompts), "--model", str(tiny_target_dir), "--max-new-tokens", "3",
+              "--device", "cpu"]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", [script, *common, "--out", str(tmp_path / "out"), "--start", "1", "--limit", "3"])
+    runpy.run_path(script, run_name="__main__")
+    ids = sorted(row["id"] for rows in _shards(tmp_path / "out").values() for row in rows)
+    assert ids == ["prompts.jsonl:2", "prompts.jsonl:3"]  # lines are numbered from 1
+    monkeypatch.setattr(sys, "argv", [script, *common, "--out", str(tmp_path / "none"), "--start", "5"])
+    with pytest.raises(SystemExit, match=r"no prompts in \[5, None\) of 5 rows"):
+        runpy.run_path(script, run_name="__main__")
