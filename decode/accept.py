@@ -89,7 +89,7 @@ def accept_sampling(tree: DraftTree, target_logits: Tensor, temperature: float, 
             for child in children:
                 token = tokens[child]
                 ratio = (p[token] / q[token]).item() if q[token] > 0 else 0.0
-                if torch.rand((), generator=generator).item() < ratio:
+                if torch.rand((), generator=generator, device=p.device).item() < ratio:
                     accepted = child
                     break
                 p = torch.clamp(p - q, min=0.0)

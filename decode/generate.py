@@ -32,6 +32,7 @@ class GenerateOutput:
     tau: float                          # mean tokens per verify pass, the target's bonus token INCLUDED
     target_forwards: int                # target forward passes, prefill included
     steps: int                          # verify passes (target_forwards - 1)
+    # acceptance counts are taken before the EOS / max_new_tokens cut: they describe the drafter, tau the output
     accepted_per_depth: list[int] = field(default_factory=list)  # steps whose depth-d draft was accepted
     accepted_ranks: list[list[int]] = field(default_factory=list)  # [d-1][r]: steps accepting a rank-r node at depth d
     offered_ranks: list[list[int]] = field(default_factory=list)  # [d-1][r]: steps offering a rank-r child below
@@ -141,7 +142,7 @@ def generate(model: nn.Module, input_ids: Tensor, heads: nn.Module | None = None
     if heads is not None and not isinstance(heads, Drafter):
         _check_heads(heads, model)
     tree_spec = resolve_tree(heads, tree)
-    generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    generator = torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None
     eos = _eos_set(model, eos_token_id)
     vocab_size = model.get_output_embeddings().weight.shape[0]
 
@@ -196,8 +197,9 @@ def generate(model: nn.Module, input_ids: Tensor, heads: nn.Module | None = None
     generated = _truncate(generated, eos, max_new_tokens)
     seconds = time.perf_counter() - start
     emitted_by_steps = len(generated) - 1
+    new_ids = torch.tensor([generated], dtype=input_ids.dtype, device=input_ids.device)
     return GenerateOutput(
-        sequences=torch.cat([input_ids, torch.tensor([generated], dtype=input_ids.dtype)], dim=1),
+        sequences=torch.cat([input_ids, new_ids], dim=1),
         new_tokens=len(generated), tau=emitted_by_steps / steps if steps else 1.0, target_forwards=steps + 1,
         steps=steps, accepted_per_depth=per_depth, accepted_ranks=per_rank, offered_ranks=offered,
         draft_nodes=drafted, seconds=seconds, stopped_at_eos=generated[-1] in eos,

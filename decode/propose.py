@@ -118,7 +118,7 @@ class EagleDrafter(Drafter):
     def expand(self, nodes, tokens, parents, depth):
         n = len(nodes)
         feats = torch.stack([self._hidden[p] for p in parents])[None]           # (1, n, H)
-        embeds = self.embed(tokens[None]).to(self.dtype)                        # (1, n, H)
+        embeds = self.embed(tokens.to(feats.device)[None]).to(self.dtype)       # (1, n, H)
         positions = torch.full((1, n), self.committed + depth - 1, dtype=torch.long, device=feats.device)
         cached = len(self._slot)
         allowed = torch.zeros(n, self.committed + cached + n, dtype=torch.bool, device=feats.device)

@@ -359,7 +359,7 @@ def import_head(path: str | Path, fmt: str | None = None, target=None) -> Head:
     path = Path(path)
     fmt = fmt or detect_format(path)
     check_format(fmt)
-    validate_export(path, fmt)
+    validate_export(path, fmt, other_files=True)  # a hub snapshot adds README.md etc.
     config_file, weights_file = FILES[fmt]
     config = json.loads((path / config_file).read_text())
     state = load_file(path / weights_file)

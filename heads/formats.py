@@ -146,18 +146,28 @@ def _medusa_expected_shapes(config: dict, fmt: str, errors: list[str]) -> dict[s
     return out
 
 
-def validate_export(out_dir: str | Path, fmt: str) -> None:
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
+
+
+def validate_export(out_dir: str | Path, fmt: str, other_files: bool = False) -> None:
     """Raise ValueError listing EVERYTHING missing or wrong in an export folder of format `fmt`.
 
     Checks the file list, the config fields engines need, every weight key and shape (unexpected keys too:
     engines drop them silently), fc width = taps x target hidden size, and d2t/t2d consistency.
+    `other_files=True` (importing a published folder: a hub snapshot has README.md, .gitattributes) lets
+    files other than weights sit beside the format's two; another weight file is an error either way.
     """
     check_format(fmt)
     out_dir = Path(out_dir)
     config_file, weights_file = FILES[fmt]
     errors = []
     present = sorted(p.name for p in out_dir.iterdir()) if out_dir.is_dir() else []
-    if present != sorted(FILES[fmt]):
+    if other_files:
+        stray = [name for name in present if name not in FILES[fmt] and name.endswith(WEIGHT_SUFFIXES)]
+        if stray or not set(FILES[fmt]) <= set(present):
+            errors.append(f"files {present}: expected {sorted(FILES[fmt])}, and no other weight files "
+                          f"(found {stray})")
+    elif present != sorted(FILES[fmt]):
         errors.append(f"files {present}, expected exactly {sorted(FILES[fmt])}")
     try:
         config = json.loads((out_dir / config_file).read_text())

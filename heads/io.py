@@ -116,6 +116,8 @@ def check_head_matches_target(config: dict, target, where: str = "head") -> None
               ("vocab_size", head["vocab_size"], text.vocab_size)]
     if config.get("base_model_type") is not None:
         checks.append(("model_type", config["base_model_type"], text.model_type))
+    if config.get("base_num_hidden_layers") is not None:  # same width, other depth: the features differ
+        checks.append(("num_hidden_layers", config["base_num_hidden_layers"], text.num_hidden_layers))
     for key, ours, theirs in checks:
         if ours != theirs:
             raise ValueError(f"{where} was built for a target with {key}={ours!r}, but this target has "

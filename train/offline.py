@@ -5,6 +5,7 @@ target (SpecForge/EAGLE "offline" mode): cheaper steps, at the cost of disk."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -19,6 +20,7 @@ from tqdm.auto import tqdm
 from heads.features import LAST, FeatureCapture
 
 INDEX_FILE = "index.json"
+RESUME_KEYS = ("examples", "shard_size", "layer_ids", "hidden_size", "dtype", "target_digest")  # not the path
 
 
 def estimate_bytes(dataset: Dataset, layer_ids: tuple[int, ...], hidden_size: int, dtype: torch.dtype) -> int:
@@ -36,14 +38,24 @@ def dump_hidden_states(target: nn.Module, dataset: Dataset, layer_ids: tuple[int
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     hidden = target.config.get_text_config().hidden_size
+    index = {"examples": len(dataset), "shard_size": shard_size, "layer_ids": list(layer_ids),
+             "shards": [f"shard-{n:05d}.safetensors" for n in range(-(-len(dataset) // shard_size))],
+             "hidden_size": hidden, "dtype": str(dtype).removeprefix("torch."),
+             "target": getattr(target.config, "_name_or_path", None), "target_digest": weights_digest(target)}
+    if (out / INDEX_FILE).is_file():  # resuming: the kept shards must come from the same target, taps and data
+        old = json.loads((out / INDEX_FILE).read_text())
+        changed = [f"{key} {old[key]!r} -> {index[key]!r}" for key in RESUME_KEYS  # keys an older index lacks
+                   if key in old and old[key] != index[key]]  # are not compared (their shards still are)
+        if changed:
+            raise ValueError(f"{out} holds a dump written with other settings ({'; '.join(changed)}); "
+                             f"write this one into an empty folder")
     size = estimate_bytes(dataset, layer_ids, hidden, dtype)
     print(f"offline hidden states: {len(dataset)} examples, {size / 2**20:.1f} MiB to write into {out}", flush=True)
+    _write_index(out, {**index, "complete": False})  # a killed dump is recognised, and resumed, as such
     taps = tuple(layer_ids) + (() if LAST in layer_ids else (LAST,))
-    shards = []
     with FeatureCapture(target, taps) as capture:
-        for start in tqdm(range(0, len(dataset), shard_size), desc="dump"):
-            name = f"shard-{start // shard_size:05d}.safetensors"
-            shards.append(name)
+        for number, name in enumerate(tqdm(index["shards"], desc="dump")):
+            start = number * shard_size
             if (out / name).is_file():
                 _check_shard(out / name, dataset, range(start, min(start + shard_size, len(dataset))))
                 continue
@@ -60,10 +72,25 @@ def dump_hidden_states(target: nn.Module, dataset: Dataset, layer_ids: tuple[int
             tmp = out / f".{name}.tmp"
             save_file(tensors, tmp)
             os.replace(tmp, out / name)
-    index = {"examples": len(dataset), "shard_size": shard_size, "layer_ids": list(layer_ids), "shards": shards,
-             "hidden_size": hidden, "dtype": str(dtype).removeprefix("torch.")}
-    (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    _write_index(out, {**index, "complete": True})
     return out
+
+
+def _write_index(out: Path, index: dict) -> None:
+    tmp = out / f".{INDEX_FILE}.tmp"
+    tmp.write_text(json.dumps(index, indent=2) + "\n")
+    os.replace(tmp, out / INDEX_FILE)
+
+
+def weights_digest(model: nn.Module) -> str:
+    """A short fingerprint of a model's weights (the first 4,096 values of its first and last three tensors):
+    tells a fine-tuned or other revision of the same architecture apart without hashing every weight."""
+    digest = hashlib.sha256()
+    params = list(model.state_dict().items())
+    for name, tensor in params[:3] + params[-3:]:
+        digest.update(name.encode())
+        digest.update(tensor.detach().flatten()[:4096].float().cpu().numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 def _check_shard(path: Path, dataset: Dataset, indices: range) -> None:
@@ -97,6 +124,9 @@ class OfflineStates:
             raise FileNotFoundError(f"{index_file}: no offline hidden states here; write them with "
                                     f"scripts/dump_hidden_states.py")
         self.index = json.loads(index_file.read_text())
+        if self.index.get("complete") is False:
+            raise ValueError(f"{self.root}: the dump was stopped before it finished; rerun "
+                             f"scripts/dump_hidden_states.py with the same settings to complete it")
         self.features_are_last = layer_ids is not None and tuple(layer_ids) == (LAST,)
         if layer_ids is not None and not self.features_are_last and tuple(self.index["layer_ids"]) != tuple(layer_ids):
             raise ValueError(f"{self.root} holds taps {self.index['layer_ids']}, the head needs {list(layer_ids)}")

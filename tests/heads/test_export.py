@@ -309,3 +309,18 @@ def test_import_refuses_speculators_variants_we_do_not_implement(tmp_path, llama
     _edit_config(tmp_path / "out", lambda c: c.update(norm_before_residual=True))
     with pytest.raises(ValueError, match="norm_before_residual"):
         import_head(tmp_path / "out")
+
+
+def test_import_takes_a_hub_snapshot_with_readme_but_not_stray_weights(tmp_path, llama, sglang_export):
+    """A published folder carries README.md and .gitattributes: import reads it; export validation stays exact
+    (engines may read whatever else is there); a second weight file is refused on import (it could hold
+    weights import would not read)."""
+    (sglang_export / "README.md").write_text("# a draft head\n")
+    (sglang_export / ".gitattributes").write_text("*.safetensors filter=lfs\n")
+    back = import_head(sglang_export, target=llama)
+    assert back.head_type == "eagle3"
+    with pytest.raises(ValueError, match="expected exactly"):
+        validate_export(sglang_export, "sglang")
+    (sglang_export / "model-00002-of-00002.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"no other weight files \(found \['model-00002-of-00002.safetensors'\]\)"):
+        import_head(sglang_export, target=llama)

@@ -113,6 +113,7 @@ def test_config_records_provenance(tmp_path, llama, kind):
         (("llama", {"hidden_size": 48, "head_dim": 12}), "hidden_size", "32", "48"),
         (("llama", {"vocab_size": 256}), "vocab_size", "128", "256"),
         (("qwen2", {}), "model_type", "'llama'", "'qwen2'"),
+        (("llama", {"num_hidden_layers": 6}), "num_hidden_layers", "4", "6"),  # taps in range, other depth
     ],
 )
 def test_loading_for_another_target_names_both_values(

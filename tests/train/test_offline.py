@@ -87,3 +87,33 @@ def test_stale_dump_is_refused_for_training_and_on_resume(tmp_path, tiny_target_
         states.check_matches(dataset.select(range(len(dataset) - 1)))
     with pytest.raises(ValueError, match="example 3 holds other tokens"):  # resuming into it with other data
         dump_hidden_states(model, changed, (0, 1), tmp_path / "states", shard_size=8)
+
+
+def test_resume_refuses_other_taps_or_target_and_a_killed_dump_is_not_trained_on(tmp_path, tiny_target_dir,
+                                                                                  chat_file, monkeypatch):
+    model, dataset = _dump(tiny_target_dir, chat_file, tmp_path / "states", (0, 1))
+    with pytest.raises(ValueError, match=r"other settings \(layer_ids \[0, 1\] -> \[0, 2\]\)"):
+        dump_hidden_states(model, dataset, (0, 2), tmp_path / "states", shard_size=8)
+    with torch.no_grad():
+        model.lm_head.weight.add_(0.01)  # a fine-tune of the same architecture
+    with pytest.raises(ValueError, match=r"other settings \(target_digest '\w+' -> '\w+'\)"):
+        dump_hidden_states(model, dataset, (0, 1), tmp_path / "states", shard_size=8)
+
+    calls = []
+
+    def killed(self, *args, **kwargs):  # the target dies on the second example
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return original(self, *args, **kwargs)
+
+    fresh, _ = load_target(str(tiny_target_dir))
+    original = type(fresh).forward
+    monkeypatch.setattr(type(fresh), "forward", killed)
+    with pytest.raises(KeyboardInterrupt):
+        dump_hidden_states(fresh, dataset, (0, 1), tmp_path / "killed", shard_size=8)
+    with pytest.raises(ValueError, match="stopped before it finished"):
+        OfflineStates(tmp_path / "killed", (0, 1))
+    monkeypatch.setattr(type(fresh), "forward", original)
+    dump_hidden_states(fresh, dataset, (0, 1), tmp_path / "killed", shard_size=8)  # the rerun completes it
+    OfflineStates(tmp_path / "killed", (0, 1)).check_matches(dataset)
