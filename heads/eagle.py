@@ -13,7 +13,12 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import Tensor, nn
 from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
+from transformers.models.llama.modeling_llama import (
+    LlamaAttention,
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+)
 
 from heads.features import LAST, default_eagle3_layers
 
@@ -56,18 +61,18 @@ class EagleConfig:
         """A head config sized from a target's HF config (any Llama-like decoder)."""
         text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
         heads = text.num_attention_heads
-        fields = dict(
-            head_type=head_type,
-            hidden_size=text.hidden_size,
-            num_attention_heads=heads,
-            num_key_value_heads=getattr(text, "num_key_value_heads", None) or heads,
-            head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
-            intermediate_size=text.intermediate_size,
-            vocab_size=text.vocab_size,
-            rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
-            max_position_embeddings=getattr(text, "max_position_embeddings", 8192),
-            rope_parameters=_full_attention_rope(text),
-        )
+        fields = {
+            "head_type": head_type,
+            "hidden_size": text.hidden_size,
+            "num_attention_heads": heads,
+            "num_key_value_heads": getattr(text, "num_key_value_heads", None) or heads,
+            "head_dim": getattr(text, "head_dim", None) or text.hidden_size // heads,
+            "intermediate_size": text.intermediate_size,
+            "vocab_size": text.vocab_size,
+            "rms_norm_eps": getattr(text, "rms_norm_eps", 1e-6),
+            "max_position_embeddings": getattr(text, "max_position_embeddings", 8192),
+            "rope_parameters": _full_attention_rope(text),
+        }
         if head_type == "eagle3":
             fields["aux_layer_ids"] = default_eagle3_layers(text.num_hidden_layers)
         fields.update(overrides)

@@ -10,6 +10,7 @@ vLLM), is this one plus 1; see `to_input_convention`.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Self
 
 import torch
 from torch import Tensor, nn
@@ -68,14 +69,12 @@ class FeatureCapture:
 
     def _hook(self, key: int):
         def record(_module: nn.Module, _args, output) -> None:
-            if isinstance(output, tuple):
-                output = output[0]
-            elif not isinstance(output, Tensor):  # ModelOutput of the base decoder
+            if not isinstance(output, Tensor):  # a tuple, or the base decoder's ModelOutput
                 output = output[0]
             self._store[key] = output
         return record
 
-    def __enter__(self) -> FeatureCapture:
+    def __enter__(self) -> Self:
         for i in dict.fromkeys(self.layer_ids):
             module = self.model.get_decoder() if i == LAST else self._layers[i]
             self._handles.append(module.register_forward_hook(self._hook(i)))

@@ -34,10 +34,10 @@ def make_accelerator(train: TrainConfig) -> Accelerator:
     if train.report_to == "wandb" and not os.environ.get("WANDB_API_KEY") and "WANDB_MODE" not in os.environ:
         os.environ["WANDB_MODE"] = "offline"  # no key: log locally instead of raising
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-    kwargs = dict(gradient_accumulation_steps=train.gradient_accumulation_steps,
-                  mixed_precision=train.mixed_precision,
-                  log_with=None if train.report_to == "none" else train.report_to,
-                  project_dir=train.output_dir)
+    kwargs = {"gradient_accumulation_steps": train.gradient_accumulation_steps,
+              "mixed_precision": train.mixed_precision,
+              "log_with": None if train.report_to == "none" else train.report_to,
+              "project_dir": train.output_dir}
     if not torch.cuda.is_available():
         if deepspeed:
             kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]

@@ -117,9 +117,11 @@ def _render(tokenizer: PreTrainedTokenizerBase, messages: list[dict], generation
         raise BadRow(f"the chat template rejected the conversation: {error}") from error
 
 
-def _assistant_spans(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> tuple[str, list[tuple]]:
+def _assistant_spans(tokenizer: PreTrainedTokenizerBase, messages: list[dict],
+                     cut_reply: bool = False) -> tuple[str, list[tuple]]:
     """The full rendering and one (start, end) character span per assistant turn (see `render_with_mask`)."""
     full, spans = _render(tokenizer, messages, generation_prompt=False), []
+    last = max(i for i, m in enumerate(messages) if m["role"] == "assistant") if cut_reply else -1
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
@@ -134,11 +136,22 @@ def _assistant_spans(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -
                 f"extend it), so assistant tokens cannot be found by offsets. Prefix ends {prefix[-60:]!r}, "
                 f"the longer text there reads {through[max(0, len(prefix) - 60) :][:80]!r}"
             )
-        spans.append((len(prefix), len(prefix) + len(through[len(prefix) :].rstrip())))
+        end = len(prefix) + len(through[len(prefix) :].rstrip())
+        if i == last:  # a reply cut by a length cap: the template's end-of-turn marker was never generated
+            for content in (str(message["content"]), str(message["content"]).strip()):  # as is, or trimmed
+                at = through.find(content, len(prefix))
+                if at >= 0:
+                    end = at + len(content)
+                    break
+            else:
+                raise BadRow(f"'messages'[{i}]: the chat template rewrites the reply text, so the end of a cut "
+                             "reply cannot be found")
+        spans.append((len(prefix), end))
     return full, spans
 
 
-def render_with_mask(tokenizer: PreTrainedTokenizerBase, messages: list[dict], max_length: int) -> dict:
+def render_with_mask(tokenizer: PreTrainedTokenizerBase, messages: list[dict], max_length: int,
+                     cut_reply: bool = False) -> dict:
     """Tokenize a conversation with the tokenizer's own chat template and mark its assistant tokens.
 
     Reply i spans the characters from the end of render(messages[:i], add_generation_prompt=True) to the
@@ -153,6 +166,9 @@ def render_with_mask(tokenizer: PreTrainedTokenizerBase, messages: list[dict], m
         tokenizer: a fast tokenizer (offsets are needed) with a chat template.
         messages: from `to_messages`.
         max_length: keep the first max_length tokens (ids and mask alike).
+        cut_reply: the last reply was cut by a length cap (a regenerated row with finish_reason "length"):
+            its tokens are targets, the end-of-turn marker after it is not (the target never chose to stop
+            there, so nothing may learn to).
     Returns:
         {"input_ids": list[int], "loss_mask": list[int]}, equal lengths: loss_mask[t] = 1 when token t is a
         target the heads must predict (an assistant token, or any raw-text token).
@@ -168,7 +184,7 @@ def render_with_mask(tokenizer: PreTrainedTokenizerBase, messages: list[dict], m
         return {"input_ids": ids[:max_length], "loss_mask": [1] * min(len(ids), max_length)}
     if not tokenizer.is_fast:
         raise ValueError(f"{type(tokenizer).__name__} is a slow tokenizer; loss masks need offset mappings")
-    full, spans = _assistant_spans(tokenizer, messages)
+    full, spans = _assistant_spans(tokenizer, messages, cut_reply)
     encoding = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     mask = [int(any(s < end and e > start for start, end in spans)) for s, e in encoding["offset_mapping"]]
     return {"input_ids": encoding["input_ids"][:max_length], "loss_mask": mask[:max_length]}
@@ -224,7 +240,8 @@ def build_dataset(
             try:
                 if isinstance(row, Exception):
                     raise row
-                example = render_with_mask(tokenizer, to_messages(row), max_length)
+                example = render_with_mask(tokenizer, to_messages(row), max_length,
+                                           cut_reply=row.get("finish_reason") == "length")
             except (json.JSONDecodeError, BadRow) as error:
                 reason = "invalid_json" if isinstance(error, json.JSONDecodeError) else "bad_row"
                 report.skip(f"{path}:{number}", reason, str(error))

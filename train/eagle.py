@@ -22,10 +22,20 @@ from heads import EagleConfig, EagleHead, FeatureCapture
 from heads.io import load_heads
 from heads.target import load_target
 from train.checkpoint import export_head, save_state
-from train.common import (StepLogger, backward_and_clip, check_finite, epoch_loader, load_datasets,
-                          make_accelerator, make_optimizer, simulated_tau, start_or_resume, steps_per_epoch,
-                          total_steps,
-                          whole_on_every_rank)
+from train.common import (
+    StepLogger,
+    backward_and_clip,
+    check_finite,
+    epoch_loader,
+    load_datasets,
+    make_accelerator,
+    make_optimizer,
+    simulated_tau,
+    start_or_resume,
+    steps_per_epoch,
+    total_steps,
+    whole_on_every_rank,
+)
 from train.config import EagleRunConfig, EagleTrainConfig, load_config, to_dict
 from train.data import draft_vocab_from_frequencies, token_frequencies
 from train.losses import eagle1_loss, eagle3_ttt_loss
@@ -170,7 +180,7 @@ def main(cfg: EagleRunConfig) -> None:
     rows, collate_fn = offline_rows(cfg.data, train_set, pad_id, head.feature_layers, logits_head(target, draft_rows),
                                     softcap=getattr(target.config.get_text_config(), "final_logit_softcapping", None))
     capture = FeatureCapture(target, head.feature_layers).__enter__()
-    export_kwargs = dict(base_model=cfg.model.target, base_revision=cfg.model.revision, target=target)
+    export_kwargs = {"base_model": cfg.model.target, "base_revision": cfg.model.revision, "target": target}
     progress = tqdm(total=num_steps, initial=step, disable=not accelerator.is_main_process, desc="train")
     logger = StepLogger(accelerator, progress, cfg.train.log_every_steps)
     while step < num_steps:

@@ -23,10 +23,20 @@ from tqdm.auto import tqdm
 from heads import MedusaConfig, MedusaHeads
 from heads.target import load_target
 from train.checkpoint import export_head, save_state
-from train.common import (StepLogger, backward_and_clip, check_finite, epoch_loader, load_datasets,
-                          make_accelerator, make_optimizer, simulated_tau, start_or_resume, steps_per_epoch,
-                          total_steps,
-                          whole_on_every_rank)
+from train.common import (
+    StepLogger,
+    backward_and_clip,
+    check_finite,
+    epoch_loader,
+    load_datasets,
+    make_accelerator,
+    make_optimizer,
+    simulated_tau,
+    start_or_resume,
+    steps_per_epoch,
+    total_steps,
+    whole_on_every_rank,
+)
 from train.config import MedusaRunConfig, MedusaTrainConfig, load_config, to_dict
 from train.losses import masked_mean, medusa_loss_from_hidden
 from train.offline import offline_rows
@@ -134,7 +144,7 @@ def main(cfg: MedusaRunConfig) -> None:
 
     # 5. loop; final states from the target online, or from a dump (scripts/dump_hidden_states.py, Medusa-1)
     rows, collate_fn = offline_rows(cfg.data, train_set, pad_id, None, None)
-    export_kwargs = dict(base_model=cfg.model.target, base_revision=cfg.model.revision, target=target)
+    export_kwargs = {"base_model": cfg.model.target, "base_revision": cfg.model.revision, "target": target}
     progress = tqdm(total=num_steps, initial=step, disable=not accelerator.is_main_process, desc="train")
     logger = StepLogger(accelerator, progress, cfg.train.log_every_steps)
     while step < num_steps:

@@ -150,10 +150,14 @@ class OfflineStates:
             row["features"] = row["last"] if self.features_are_last else tensors.get_tensor(f"features.{i}")
         return row
 
-    def batch(self, indices: list[int], pad_id: int, lm_head: nn.Module | None) -> dict[str, Tensor]:
+    def batch(self, indices: list[int], pad_id: int, lm_head: nn.Module | None,
+              loss_masks: list[list[int]] | None = None) -> dict[str, Tensor]:
         """Right-padded batch with `features` (B, T, F) and the target's `logits` (B, T, V) from `last`;
-        without `lm_head`, the final states themselves as `last` (B, T, H) instead of logits."""
+        without `lm_head`, the final states themselves as `last` (B, T, H) instead of logits. `loss_masks`
+        (the training set's) replace the masks stored in the dump: a masking change needs no new dump."""
         rows = [self.row(i) for i in indices]
+        for row, mask in zip(rows, loss_masks or ()):
+            row["mask"] = torch.tensor(mask, dtype=torch.int8)
         length = max(r["ids"].numel() for r in rows)
         out = {"input_ids": torch.full((len(rows), length), pad_id, dtype=torch.long),
                "attention_mask": torch.zeros(len(rows), length, dtype=torch.long),
@@ -195,5 +199,6 @@ def offline_rows(data, train_set: Dataset, pad_id: int, layer_ids: tuple[int, ..
         return train_set, None
     states = OfflineStates(data.offline_dir, layer_ids, softcap=softcap)
     states.check_matches(train_set)
-    return (Dataset.from_dict({"index": list(range(len(train_set)))}),
-            lambda batch: states.batch([row["index"] for row in batch], pad_id, lm_head))
+    rows = Dataset.from_dict({"index": list(range(len(train_set))), "loss_mask": train_set["loss_mask"]})
+    return rows, lambda batch: states.batch([row["index"] for row in batch], pad_id, lm_head,
+                                            [row["loss_mask"] for row in batch])

@@ -195,6 +195,26 @@ def test_mask_covers_exactly_assistant_tokens(tokenizers, name, turns):
 
 
 @pytest.mark.parametrize("name", ["smollm2", "llama3", "gemma"])
+@pytest.mark.parametrize("turns", [2, 4], ids=["single_turn", "multi_turn"])
+def test_a_cut_reply_trains_its_tokens_but_not_the_end_of_turn_marker(tokenizers, name, turns):
+    """A regenerated reply that hit the length cap (finish_reason "length") never chose to stop: the marker the
+    template writes after it is no target; earlier, finished replies keep theirs."""
+    tokenizer, messages = tokenizers[name], CHAT[:turns]
+    normal = render_with_mask(tokenizer, messages, max_length=10_000)
+    cut = render_with_mask(tokenizer, messages, max_length=10_000, cut_reply=True)
+    assert cut["input_ids"] == normal["input_ids"]  # the same tokens (an offline dump stays valid)
+    assert _masked_text(tokenizer, cut) == _expected(messages, name).removesuffix(END_OF_TURN[name])
+    dropped = [t for t, a, b in zip(cut["input_ids"], normal["loss_mask"], cut["loss_mask"]) if a and not b]
+    assert tokenizer.decode(dropped) == END_OF_TURN[name]
+
+
+def test_build_dataset_reads_finish_reason(tmp_path, tokenizers):
+    rows = [{"messages": CHAT[:2], "finish_reason": "length"}, {"messages": CHAT[:2], "finish_reason": "stop"}]
+    dataset, _ = build_dataset(_write(tmp_path / "regen.jsonl", rows), tokenizers["smollm2"], max_length=128)
+    assert sum(dataset[1]["loss_mask"]) - sum(dataset[0]["loss_mask"]) == 1  # <|im_end|> is one token
+
+
+@pytest.mark.parametrize("name", ["smollm2", "llama3", "gemma"])
 def test_system_prompts_are_not_trained(tokenizers, name):
     tokenizer = tokenizers[name]
     for messages in (CHAT, [{"role": "system", "content": "Be terse."}] + CHAT):  # default / explicit system

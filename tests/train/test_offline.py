@@ -117,3 +117,15 @@ def test_resume_refuses_other_taps_or_target_and_a_killed_dump_is_not_trained_on
     monkeypatch.setattr(type(fresh), "forward", original)
     dump_hidden_states(fresh, dataset, (0, 1), tmp_path / "killed", shard_size=8)  # the rerun completes it
     OfflineStates(tmp_path / "killed", (0, 1)).check_matches(dataset)
+
+
+def test_batches_take_the_training_sets_loss_masks_over_the_dumps(tmp_path, tiny_target_dir, chat_file):
+    """A masking change (e.g. a cut reply's end-of-turn marker) needs no new dump: the set's masks are used."""
+    _, dataset = _dump(tiny_target_dir, chat_file, tmp_path / "states", (0, 1))
+    states = OfflineStates(tmp_path / "states", (0, 1))
+    stored = states.batch([0, 1], pad_id=0, lm_head=None)
+    assert stored["loss_mask"][0, : len(dataset[0]["loss_mask"])].tolist() == dataset[0]["loss_mask"]
+    masks = [[0] * (len(dataset[0]["input_ids"]) - 1) + [1], [1] * len(dataset[1]["input_ids"])]
+    batch = states.batch([0, 1], pad_id=0, lm_head=None, loss_masks=masks)
+    assert batch["loss_mask"][0].sum() == 1 and batch["loss_mask"][1].sum() == len(masks[1])
+    assert torch.equal(batch["last"], stored["last"]) and torch.equal(batch["input_ids"], stored["input_ids"])
