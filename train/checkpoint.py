@@ -43,7 +43,7 @@ def save_state(accelerator: Accelerator, output_dir: str | Path, step: int, keep
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         tmp = partial / f"{PROGRESS_FILE}.tmp"
-        tmp.write_text(json.dumps({"step": step}) + "\n")
+        tmp.write_text(json.dumps({"step": step, "num_processes": accelerator.num_processes}) + "\n")
         os.replace(tmp, partial / PROGRESS_FILE)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)
@@ -59,6 +59,11 @@ def load_state(accelerator: Accelerator, state: Path) -> int:
     """Restore a resume state; returns the optimizer step it was taken at."""
     accelerator.load_state(str(state))
     return int(json.loads((state / PROGRESS_FILE).read_text())["step"])
+
+
+def saved_processes(state: Path) -> int | None:
+    """How many processes wrote a resume state (None for states written before this was recorded)."""
+    return json.loads((state / PROGRESS_FILE).read_text()).get("num_processes")
 
 
 def export_head(accelerator: Accelerator, wrapper: nn.Module, output_dir: str | Path, attr: str = "head",

@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 from transformers import get_scheduler
 
-from train.checkpoint import latest_state, load_state
+from train.checkpoint import latest_state, load_state, saved_processes
 from train.config import DataConfig, TrainConfig, save_config, to_dict
 from train.data import build_dataset, collate, split_eval
 
@@ -183,17 +183,54 @@ def start_or_resume(accelerator: Accelerator, cfg, output_dir: Path, num_steps: 
     Returns:
         The optimizer step to start from (0 for a fresh run).
     """
+    state = latest_state(output_dir)
+    if state is not None:  # before config.yaml is overwritten: it holds the settings the state was written with
+        check_resume_settings(accelerator, cfg, output_dir, state)
     if accelerator.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, output_dir / "config.yaml")
     if cfg.train.report_to != "none":  # trackers take flat scalar hyperparameters (tensorboard rejects lists)
         accelerator.init_trackers(output_dir.name, config=_flat_config(to_dict(cfg)))
-    state = latest_state(output_dir)
     if state is None:
         return 0
     step = load_state(accelerator, state)
     accelerator.print(f"resumed from {state} at step {step}/{num_steps}")
     return step
+
+
+# Settings that fix which examples each step sees: a resumed run that changes them would skip or repeat data.
+DATA_ORDER_KEYS = ("data.train_files", "data.eval_files", "data.max_length", "data.eval_fraction",
+                   "data.shuffle_seed", "train.per_device_batch_size", "train.gradient_accumulation_steps",
+                   "train.seed")  # fmt: skip
+# Settings of the learning-rate schedule: changing them on resume (e.g. more max_steps) re-stretches it.
+SCHEDULE_KEYS = ("train.max_steps", "train.num_epochs", "train.learning_rate", "train.warmup_ratio",
+                 "train.lr_scheduler")  # fmt: skip
+
+
+def check_resume_settings(accelerator: Accelerator, cfg, output_dir: Path, state: Path) -> None:
+    """Refuse to resume `state` with another data order (files, split, batch size, processes, seed); warn
+    when the schedule changes. The state's settings are the run folder's config.yaml and the process count
+    its progress file records (states written before it was recorded are not checked for it)."""
+    import yaml
+
+    saved_file = output_dir / "config.yaml"
+    if not saved_file.is_file():
+        return
+    saved, now = _flat_config(yaml.safe_load(saved_file.read_text()) or {}), _flat_config(to_dict(cfg))
+    changes = {key: (saved.get(key), now.get(key)) for key in (*DATA_ORDER_KEYS, *SCHEDULE_KEYS)
+               if key in saved and saved.get(key) != now.get(key)}  # fmt: skip
+    processes = saved_processes(state)
+    if processes is not None and processes != accelerator.num_processes:
+        changes["processes"] = (processes, accelerator.num_processes)
+    order = {k: v for k, v in changes.items() if k not in SCHEDULE_KEYS}
+    if order:
+        listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in order.items())
+        raise ValueError(f"{output_dir}: cannot resume {state.name} with another data order ({listed}); "
+                         f"rerun with the saved settings ({saved_file}) or use a new train.output_dir")
+    if changes:
+        listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changes.items())
+        accelerator.print(f"WARNING: resuming {state.name} with another schedule ({listed}): the learning rate "
+                          f"follows the new schedule from step {state.name.split('-')[1]} on")
 
 
 def backward_and_clip(accelerator: Accelerator, loss: torch.Tensor, module: nn.Module, max_grad_norm: float,

@@ -104,11 +104,22 @@ def test_resume_continues_and_equals_an_uninterrupted_run(tmp_path, overrides, r
     run_recipe(overrides(resumed, *common, "train.max_steps=4"))  # the same command, 2 more steps
     log = capsys.readouterr().out
     assert f"resumed from {resumed / 'state' / 'step-2'} at step 2/4" in log
+    assert "resuming step-2 with another schedule (train.max_steps: 2 -> 4)" in log  # said, not silent
     assert "step 3: eval_loss" in log and "step 1: eval_loss" not in log  # continued, not restarted
     assert state_step(latest_state(resumed)) == 4
     assert json.loads((resumed / "head" / "config.json").read_text())["train_step"] == 4
     assert not torch.equal(head_weights(resumed)["fc.weight"], after_two["fc.weight"])  # it trained on
     assert_same_weights(head_weights(resumed), head_weights(straight))
+
+
+def test_resume_with_another_data_order_is_refused(tmp_path, overrides, run_recipe):
+    """Another batch size (or files, split, seed, process count) would skip or repeat examples on resume."""
+    common = ["eagle.head_type=eagle1", "train.save_every_steps=1", "train.eval_tau_prompts=0", "train.max_steps=2"]
+    run_recipe(overrides(tmp_path / "run", *common))
+    with pytest.raises(ValueError, match=r"cannot resume step-2 with another data order "
+                                         r"\(train.per_device_batch_size: 2 -> 3\)"):
+        run_recipe(overrides(tmp_path / "run", *common, "train.per_device_batch_size=3", "train.max_steps=3"))
+    assert "per_device_batch_size: 2" in (tmp_path / "run" / "config.yaml").read_text()  # the saved one stays
 
 
 def test_init_from_starts_at_an_exported_head_and_keeps_its_draft_vocab(tmp_path, overrides, run_recipe):
@@ -141,8 +152,9 @@ def test_latest_state_ignores_partial_states(tmp_path):
 
 def test_sigkill_mid_run_then_rerun_equals_an_uninterrupted_run(tmp_path, overrides, run_recipe, cli):
     # full 49k draft vocabulary: ~1 s per step, so the kill lands well before step 6
+    # cosine with warmup: equality also needs the scheduler's state restored
     common = ["train.max_steps=6", "train.save_every_steps=1", "train.eval_tau_prompts=0",
-              "data.eval_fraction=0"]
+              "data.eval_fraction=0", "train.lr_scheduler=cosine", "train.warmup_ratio=0.34"]
     killed = tmp_path / "killed"
     command = cli.command("train/eagle.py", overrides(killed, *common))
     process = cli.start(command, tmp_path / "killed.log")
