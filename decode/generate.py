@@ -161,7 +161,7 @@ def generate(model: nn.Module, input_ids: Tensor, heads: nn.Module | None = None
         root = next_token(out.logits[0, -1])
         generated = [root]
         past = prompt.shape[1]
-        if drafter is not None:
+        if drafter is not None and not (root in eos or max_new_tokens == 1):  # else no step follows
             drafter.advance(capture.features()[0], torch.cat([prompt[0, 1:], torch.tensor([root], device=device)]))
         steps, per_depth, per_rank, offered, drafted = 0, [], [], [], 0
         while not (eos.intersection(generated[-1:]) or len(generated) >= max_new_tokens):
@@ -188,12 +188,12 @@ def generate(model: nn.Module, input_ids: Tensor, heads: nn.Module | None = None
             compact_cache(cache, past, path)
             past += len(path)
             new = [int(draft.tokens[i]) for i in path[1:]] + [bonus]
-            if drafter is not None:
-                drafter.advance(features[path], torch.tensor(new, device=device))
             generated += new
             root = bonus
-            if eos.intersection(new):  # an EOS accepted inside the path ends decoding too
-                break
+            if eos.intersection(new) or len(generated) >= max_new_tokens:  # an EOS inside the path ends it too
+                break  # the drafter needs no more input (nor the tokens after an EOS)
+            if drafter is not None:
+                drafter.advance(features[path], torch.tensor(new, device=device))
     generated = _truncate(generated, eos, max_new_tokens)
     seconds = time.perf_counter() - start
     emitted_by_steps = len(generated) - 1
