@@ -31,6 +31,8 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=None, help="only the first N prompts of the file")
     parser.add_argument("--start", type=int, default=0,
                         help="skip the prompts before this index (with --limit: prompts start..limit-1)")
+    parser.add_argument("--max-prompt-tokens", type=int, default=2048,
+                        help="leave out longer prompts (eager attention memory grows with length squared)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--shard-size", type=int, default=256, help="rows per shard (the unit of resumption)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
@@ -51,10 +53,10 @@ def main() -> None:
     stats = regenerate(
         model, tokenizer, chosen, args.out, batch_size=args.batch_size,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, shard_size=args.shard_size,
-        seed=args.seed,
+        seed=args.seed, max_prompt_tokens=args.max_prompt_tokens,
     )  # fmt: skip
     print(f"{args.out}: {stats['generated']} prompts answered in {stats['shards']} new shards, "
-          f"{stats['skipped']} already done")  # fmt: skip
+          f"{stats['skipped']} already done, {stats['too_long']} left out (over {args.max_prompt_tokens} tokens)")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ mkdir -p runs
 
 python scripts/regenerate.py --prompts data/smollm2/prompts_train.jsonl --out data/smollm2/regen \
     --max-new-tokens 128 --batch-size 48 --limit 2048
+python scripts/regenerate.py --prompts data/smollm2/prompts_train.jsonl --out data/smollm2/regen_extra \
+    --max-new-tokens 128 --batch-size 48 --start 2048 --limit 2560
 python scripts/dump_hidden_states.py configs/eagle3_smollm2.yaml "data.offline_dir=$STATES"
 
 export OMP_NUM_THREADS=1
@@ -50,8 +52,15 @@ accelerate launch --num_processes 1 train/eagle.py configs/eagle3_smollm2.yaml "
     train.num_epochs=2 train.learning_rate=2e-4 train.warmup_ratio=0.02 eagle.ttt_steps=5 \
     eagle.init_from=runs/eagle3_smollm2_cont2/head train.output_dir=runs/eagle3_smollm2_ttt5 \
     > runs/eagle3_smollm2_ttt5.log 2>&1
+# Last EAGLE-3 stage: one epoch over 2,560 chats (the 2,048 above plus regen_extra's 512), its own dump.
+MORE=("data.train_files=[data/smollm2/regen/shard-*.jsonl,data/smollm2/regen_extra/shard-*.jsonl]")
+python scripts/dump_hidden_states.py configs/eagle3_smollm2.yaml "data.offline_dir=${STATES}_2560" "${MORE[@]}"
+accelerate launch --num_processes 1 train/eagle.py configs/eagle3_smollm2.yaml data.hidden_states=offline \
+    "data.offline_dir=${STATES}_2560" "${MORE[@]}" "${COMMON[@]}" train.num_epochs=1 train.learning_rate=2e-4 \
+    train.warmup_ratio=0.02 eagle.ttt_steps=5 eagle.init_from=runs/eagle3_smollm2_ttt5/head \
+    train.output_dir=runs/eagle3_smollm2_2560 > runs/eagle3_smollm2_2560.log 2>&1
 unset OMP_NUM_THREADS
 
-python scripts/bench.py --eagle3 runs/eagle3_smollm2_ttt5/head --eagle1 runs/eagle1_smollm2/head \
+python scripts/bench.py --eagle3 runs/eagle3_smollm2_2560/head --eagle1 runs/eagle1_smollm2/head \
     --medusa1 runs/medusa1_smollm2_e2/head --medusa2 runs/medusa2_smollm2 --prompts 3 --max-new-tokens 64 \
     --temperatures 0 1 --size-tree --out results/bench_smollm2

@@ -112,6 +112,7 @@ def regenerate(
     temperature: float = 0.0,
     shard_size: int = 256,
     seed: int = 0,
+    max_prompt_tokens: int | None = None,
 ) -> dict[str, int]:
     """Answer every prompt with the target itself and write the chats as JSONL shards (self-distillation).
 
@@ -130,8 +131,12 @@ def regenerate(
         temperature: 0 = greedy; > 0 samples softmax(logits / temperature).
         shard_size: rows per shard; a killed run loses at most the shard in progress.
         seed: sampling seed.
+        max_prompt_tokens: prompts longer than this (rendered, in tokens) are left out and counted, not
+            answered: eager attention over a batch of them needs batch x heads x length^2 floats (one
+            14k-token prompt in a batch of 48 asks for tens of GiB). None: no limit.
     Returns:
-        {"skipped": rows already done, "generated": rows written now, "shards": shards written now}.
+        {"skipped": rows already done, "generated": rows written now, "shards": shards written now,
+        "too_long": prompts left out for max_prompt_tokens}.
     Raises:
         BadRow: a row without "id" or without a user turn, or not a chat.
     """
@@ -145,7 +150,12 @@ def regenerate(
         skipped += row["id"] in done
         if row["id"] not in done and row["id"] not in todo:
             todo[row["id"]] = {"id": row["id"], "source": row.get("source"), "messages": _prompt(row)}
-    todo = list(todo.values())
+    todo, too_long = list(todo.values()), 0
+    if max_prompt_tokens is not None:
+        lengths = [len(tokenizer(_render(tokenizer, row["messages"], generation_prompt=True),
+                                 add_special_tokens=False)["input_ids"]) for row in todo]  # fmt: skip
+        too_long = sum(n > max_prompt_tokens for n in lengths)
+        todo = [row for row, n in zip(todo, lengths) if n <= max_prompt_tokens]
     next_shard = max((int(p.stem.removeprefix("shard-")) for p in out.glob("shard-*.jsonl")), default=-1) + 1
     eos = model.generation_config.eos_token_id
     stop_ids = set(eos if isinstance(eos, list) else [tokenizer.eos_token_id if eos is None else eos])
@@ -179,4 +189,4 @@ def regenerate(
     finally:
         tokenizer.padding_side, tokenizer.pad_token_id = padding_side, pad_token
         bar.close()
-    return {"skipped": skipped, "generated": len(todo), "shards": -(-len(todo) // shard_size)}
+    return {"skipped": skipped, "generated": len(todo), "shards": -(-len(todo) // shard_size), "too_long": too_long}

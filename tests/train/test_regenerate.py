@@ -45,7 +45,7 @@ def _shards(folder) -> dict[str, list[dict]]:
 
 def test_writes_shards_of_prompt_plus_greedy_reply(tmp_path, model, tokenizer):
     stats = regenerate(model, tokenizer, PROMPTS, tmp_path, batch_size=2, max_new_tokens=5, shard_size=2)
-    assert stats == {"skipped": 0, "generated": 5, "shards": 3}
+    assert stats == {"skipped": 0, "generated": 5, "shards": 3, "too_long": 0}
     shards = _shards(tmp_path)
     assert list(shards) == ["shard-00000.jsonl", "shard-00001.jsonl", "shard-00002.jsonl"]
     rows = {row["id"]: row for rows in shards.values() for row in rows}
@@ -73,9 +73,9 @@ def test_second_run_skips_finished_ids_and_adds_new_ones(tmp_path, model, tokeni
     regenerate(model, tokenizer, PROMPTS[:3], tmp_path, batch_size=2, max_new_tokens=3, shard_size=2)
     before = _shards(tmp_path)
     again = regenerate(model, tokenizer, PROMPTS[:3], tmp_path, batch_size=2, max_new_tokens=3, shard_size=2)
-    assert again == {"skipped": 3, "generated": 0, "shards": 0} and _shards(tmp_path) == before
+    assert again == {"skipped": 3, "generated": 0, "shards": 0, "too_long": 0} and _shards(tmp_path) == before
     more = regenerate(model, tokenizer, PROMPTS, tmp_path, batch_size=2, max_new_tokens=3, shard_size=2)
-    assert more == {"skipped": 3, "generated": 2, "shards": 1}
+    assert more == {"skipped": 3, "generated": 2, "shards": 1, "too_long": 0}
     after = _shards(tmp_path)
     assert {k: v for k, v in after.items() if k in before} == before
     assert [row["id"] for row in after["shard-00002.jsonl"]] == ["p3", "p4"]
@@ -97,7 +97,7 @@ def test_killed_run_resumes(tmp_path, model, tokenizer, monkeypatch):
     assert list(_shards(tmp_path)) == ["shard-00000.jsonl"]  # the shard in progress was never written
     monkeypatch.undo()
     resumed = regenerate(model, tokenizer, PROMPTS, tmp_path, batch_size=2, max_new_tokens=3, shard_size=2)
-    assert resumed == {"skipped": 2, "generated": 3, "shards": 2}
+    assert resumed == {"skipped": 2, "generated": 3, "shards": 2, "too_long": 0}
     ids = [row["id"] for rows in _shards(tmp_path).values() for row in rows]
     assert sorted(ids) == sorted(p["id"] for p in PROMPTS)  # each exactly once
     assert tokenizer.padding_side == "right"  # restored after the crash too
@@ -174,3 +174,10 @@ def test_script_answers_the_prompts_between_start_and_limit(tmp_path, tiny_targe
     monkeypatch.setattr(sys, "argv", [script, *common, "--out", str(tmp_path / "none"), "--start", "5"])
     with pytest.raises(SystemExit, match=r"no prompts in \[5, None\) of 5 rows"):
         runpy.run_path(script, run_name="__main__")
+
+
+def test_prompts_over_max_prompt_tokens_are_left_out_and_counted(tmp_path, model, tokenizer):
+    long = {"id": "long", "source": "test", "messages": [{"role": "user", "content": "word " * 300}]}
+    stats = regenerate(model, tokenizer, [*PROMPTS[:2], long], tmp_path, max_new_tokens=2, max_prompt_tokens=100)
+    assert stats["too_long"] == 1 and stats["generated"] == 2
+    assert sorted(row["id"] for rows in _shards(tmp_path).values() for row in rows) == ["p0", "p1"]
