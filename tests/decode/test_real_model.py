@@ -1,5 +1,5 @@
-"""Greedy losslessness on the real default target, SmolLM2-135M-Instruct (fp32): random heads must not
-change a single token of plain greedy decoding."""
+"""Greedy losslessness on the real default target, SmolLM2-135M-Instruct (fp32): random heads, and an oracle
+drafter whose deep paths the target accepts, must not change a single token of plain greedy decoding."""
 
 import pytest
 import torch
@@ -62,3 +62,19 @@ def test_plain_loop_matches_transformers_generate(target, prompts, plain_outputs
     ids, plain = prompts[0], plain_outputs[0]
     theirs = model.generate(ids, do_sample=False, max_new_tokens=64)
     assert torch.equal(theirs, plain.sequences)
+
+
+@pytest.mark.parametrize("tree", [DynamicTree(depth=5, top_k=3, total_tokens=12), "tree8"], ids=["dynamic", "tree8"])
+def test_deep_acceptance_on_default_target_is_lossless(target, prompts, plain_outputs, rank_oracle, tree):
+    """Random heads accept little; an oracle that ranks the true continuation first (60%) or second (25%)
+    makes the real fp32 target accept deep paths through rank-1 nodes (cache compaction off the chain)."""
+    model, _ = target
+    ranks_taken, taus = set(), []
+    for index, (ids, plain) in enumerate(zip(prompts[:3], plain_outputs)):  # three prompts: CI minutes
+        oracle = rank_oracle(plain.sequences[0].tolist(), model.config.vocab_size, [0.6, 0.25], seed=index)
+        out = generate(model, ids, oracle, max_new_tokens=64, tree=tree)
+        assert torch.equal(out.sequences, plain.sequences), f"prompt {index} changed"
+        taus.append(out.tau)
+        ranks_taken |= {(d, r) for d, row in enumerate(out.accepted_ranks) for r, n in enumerate(row) if n}
+    assert min(taus) > 1.8, taus  # deep paths were accepted
+    assert any(r > 0 for _, r in ranks_taken) and max(d for d, _ in ranks_taken) >= 3, ranks_taken
