@@ -268,6 +268,10 @@ def build_methods(args, model) -> tuple[list[Method], dict, dict]:
     if "eagle3" in loaded:
         methods.append(Method("EAGLE-3 static", loaded["eagle3"], "tree8", tree_label=tree_label("tree8")))
         methods.append(Method("EAGLE-3 dynamic", loaded["eagle3"], DEFAULT_EAGLE_TREE, tree_label=dynamic))
+        for depth, top_k, total in args.eagle3_tree or ():
+            tree = DynamicTree(depth=depth, top_k=top_k, total_tokens=total)
+            methods.append(Method(f"EAGLE-3 dynamic {depth}/{top_k}/{total}", loaded["eagle3"], tree,
+                                  tree_label=tree_label(tree)))  # fmt: skip
     return methods, loaded, targets
 
 
@@ -279,6 +283,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--eagle1", help="EAGLE-1 head folder")
     parser.add_argument("--medusa1", help="Medusa-1 head folder")
     parser.add_argument("--medusa2", help="Medusa-2 run folder (holding head/ and lora/)")
+    parser.add_argument("--eagle3-tree", type=int, nargs=3, action="append", metavar=("DEPTH", "TOP_K", "TOTAL"),
+                        help="one more EAGLE-3 dynamic tree to decode with (repeatable)")
     parser.add_argument("--prompts", type=int, default=4, help="prompts per category")
     parser.add_argument("--calibration-prompts", type=int, default=4, help="chat prompts for --size-tree")
     parser.add_argument("--max-new-tokens", type=int, default=96)

@@ -46,7 +46,7 @@ def test_bench_runs_every_method_and_writes_reports(tmp_path, tiny_target_dir, h
         "--model", str(tiny_target_dir), "--eagle3", str(head_dirs / "eagle3"), "--eagle1", str(head_dirs / "eagle1"),
         "--medusa1", str(head_dirs / "medusa1"), "--medusa2", str(head_dirs / "medusa2"), "--prompts", "1",
         "--calibration-prompts", "1", "--max-new-tokens", "12", "--temperatures", "0", "1", "--size-tree",
-        "--repeats", "1", "--threads", "1", "--out", str(out),
+        "--repeats", "1", "--threads", "1", "--eagle3-tree", "3", "2", "5", "--out", str(out),
     ])  # fmt: skip
     assert torch.is_grad_enabled()  # the benchmark leaves the caller's grad mode alone
     printed = capsys.readouterr().out
@@ -55,7 +55,10 @@ def test_bench_runs_every_method_and_writes_reports(tmp_path, tiny_target_dir, h
     assert json.loads((out / "bench.json").read_text())["rows"] == results["rows"]
     assert results["pretransposed"] and "Linear weights pretransposed" in printed
     methods = {r["method"] for r in results["rows"]}
-    assert {"prompt lookup", "Medusa-1", "Medusa-2", "EAGLE-1", "EAGLE-3 static", "EAGLE-3 dynamic"} <= methods
+    assert {"prompt lookup", "Medusa-1", "Medusa-2", "EAGLE-1", "EAGLE-3 static", "EAGLE-3 dynamic",
+            "EAGLE-3 dynamic 3/2/5"} <= methods
+    extra = next(r for r in results["rows"] if r["method"] == "EAGLE-3 dynamic 3/2/5")
+    assert extra["tree"] == "dynamic(depth=3, top_k=2, total=5)" and extra["draft_nodes_per_step"] <= 5
     for row in results["rows"]:
         assert row["temperature"] in (0.0, 1.0) and row["category"] in ("chat", "instruction", "code", "all")
         assert row["tau"] >= 1.0 and row["speedup"] > 0 and row["tokens_per_second"] > 0
