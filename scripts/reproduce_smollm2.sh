@@ -7,8 +7,9 @@
 # EAGLE-3, Medusa-1 and EAGLE-1 read one offline dump (data.hidden_states=offline); Medusa-2 trains LoRA on the
 # target, so it runs the target online, briefly. Core 1 trains EAGLE-3 (one epoch, then twice two more, each
 # from the last head with a fresh, lower schedule: five epochs), then EAGLE-1 (briefly); core 2 Medusa-1 (two
-# epochs), then Medusa-2 (briefly). Then, on both cores, EAGLE-3 two more epochs with 5 TTT steps instead of 3.
-# About three hours after the dump on 2 cores, most of it EAGLE-3.
+# epochs), then Medusa-2 (briefly). Then, on both cores, EAGLE-3 two more epochs with 5 TTT steps instead of 3,
+# and a last epoch over 2,560 chats (512 more regenerated ones, a second dump). About four hours after the
+# first dump on 2 cores, most of it EAGLE-3.
 # Logs go to runs/*.log. Needs pip install -e ".[train,bench]".
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -62,5 +63,5 @@ accelerate launch --num_processes 1 train/eagle.py configs/eagle3_smollm2.yaml d
 unset OMP_NUM_THREADS
 
 python scripts/bench.py --eagle3 runs/eagle3_smollm2_2560/head --eagle1 runs/eagle1_smollm2/head \
-    --medusa1 runs/medusa1_smollm2_e2/head --medusa2 runs/medusa2_smollm2 --prompts 3 --max-new-tokens 64 \
-    --temperatures 0 1 --size-tree --out results/bench_smollm2
+    --medusa1 runs/medusa1_smollm2_e2/head --medusa2 runs/medusa2_smollm2 --prompts 5 --max-new-tokens 64 \
+    --temperatures 0 1 --size-tree --eagle3-tree 8 8 32 --out results/bench_smollm2
