@@ -45,6 +45,7 @@ from heads.medusa import MedusaConfig, MedusaHeads
 Head = MedusaHeads | EagleHead
 
 
+# ---------------------------------------------------------------------------------------------- state dicts
 def _rename(state: dict[str, Tensor], old: str, new: str) -> dict[str, Tensor]:
     return {(new + k[len(old) :] if k.startswith(old) else k): v for k, v in state.items()}
 

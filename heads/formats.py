@@ -36,12 +36,13 @@ _LAYER_KEYS = (
 )
 _EAGLE3_LAYER_KEYS = (*_LAYER_KEYS, "input_layernorm.weight", "hidden_norm.weight")
 
+
 def check_format(fmt: str) -> None:
     if fmt not in FORMATS:
         raise ValueError(f"unknown export format {fmt!r}; valid formats: {', '.join(FORMATS)}")
 
 
-# ---------------------------------------------------------------------------------------------- state dicts
+# ------------------------------------------------------------------------------------------------ validation
 def _eagle_expected_shapes(
     config: dict, fmt: str, errors: list[str], state_keys
 ) -> dict[str, tuple[int, ...]]:

@@ -55,12 +55,12 @@ def dump_hidden_states(target: nn.Module, dataset: Dataset, layer_ids: tuple[int
     taps = tuple(layer_ids) + (() if LAST in layer_ids else (LAST,))
     with FeatureCapture(target, taps) as capture:
         for number, name in enumerate(tqdm(index["shards"], desc="dump")):
-            start = number * shard_size
+            examples = _shard_examples(number, shard_size, len(dataset))
             if (out / name).is_file():
-                _check_shard(out / name, dataset, range(start, min(start + shard_size, len(dataset))))
+                _check_shard(out / name, dataset, examples)
                 continue
             tensors = {}
-            for i in range(start, min(start + shard_size, len(dataset))):
+            for i in examples:
                 row = dataset[i]
                 ids = torch.tensor(row["input_ids"], dtype=torch.long, device=target.device)[None]
                 target(input_ids=ids)
@@ -91,6 +91,11 @@ def weights_digest(model: nn.Module) -> str:
         digest.update(name.encode())
         digest.update(tensor.detach().flatten()[:4096].float().cpu().numpy().tobytes())
     return digest.hexdigest()[:16]
+
+
+def _shard_examples(number: int, shard_size: int, total: int) -> range:
+    """Indices of the examples shard `number` holds."""
+    return range(number * shard_size, min((number + 1) * shard_size, total))
 
 
 def _check_shard(path: Path, dataset: Dataset, indices: range) -> None:
@@ -139,9 +144,8 @@ class OfflineStates:
         if len(self) != len(dataset):
             raise ValueError(f"{self.root} holds {len(self)} examples but the training set has {len(dataset)}: "
                              f"rerun scripts/dump_hidden_states.py with this run's data settings")
-        size = self.index["shard_size"]
         for number, name in enumerate(self.index["shards"]):
-            _check_shard(self.root / name, dataset, range(number * size, min((number + 1) * size, len(dataset))))
+            _check_shard(self.root / name, dataset, _shard_examples(number, self.index["shard_size"], len(dataset)))
 
     def row(self, i: int) -> dict[str, Tensor]:
         shard = self.root / self.index["shards"][i // self.index["shard_size"]]
