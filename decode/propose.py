@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from decode.layout import draft_lm_head
 from decode.tree import DraftTree, DynamicTree, TreeBuffers, select_nodes
 from heads.eagle import DraftCache, EagleHead, additive_mask
 from heads.medusa import MedusaHeads
@@ -37,6 +38,11 @@ def draw_children(logits: Tensor, k: int, temperature: float, generator: torch.G
     gumbel = -torch.log(-torch.log(uniform))
     ids = torch.topk(logq + gumbel, k).indices  # Gumbel-top-k = sequential sampling without replacement
     return Candidates(ids, torch.topk(logq, k).values, logq.exp())
+
+
+def float_dtype(module: nn.Module) -> torch.dtype:
+    """dtype of the first floating-point parameter (float32 when there is none, e.g. all-int8 heads)."""
+    return next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
 
 
 class Drafter:
@@ -68,14 +74,15 @@ class MedusaDrafter(Drafter):
     """Medusa: head d scores depth d + 1 from the last accepted feature, whatever the parent is."""
 
     def __init__(self, heads: MedusaHeads, target: nn.Module) -> None:
-        self.heads, self.lm_head = heads, target.get_output_embeddings()
+        self.heads, self.lm_head = heads, draft_lm_head(heads, target)
         self.feature_layers = heads.feature_layers
         self.max_depth = heads.config.num_heads
+        self.dtype = float_dtype(heads)
         self._logits: Tensor | None = None
 
     @torch.no_grad()
     def advance(self, features: Tensor, next_tokens: Tensor) -> None:
-        last = features[-1:].to(next(self.heads.parameters()).dtype)
+        last = features[-1:].to(self.dtype)
         self._logits = self.heads(last[None], lm_head=self.lm_head)[:, 0, 0]  # (K, V)
 
     def root_logits(self) -> Tensor:
@@ -90,9 +97,9 @@ class EagleDrafter(Drafter):
 
     def __init__(self, head: EagleHead, target: nn.Module) -> None:
         self.head = head
-        self.embed, self.lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+        self.embed, self.lm_head = target.get_input_embeddings(), draft_lm_head(head, target)
         self.feature_layers = head.feature_layers
-        self.dtype = next(head.parameters()).dtype
+        self.dtype = float_dtype(head)
         self.cache = DraftCache()
         self.committed = 0                 # draft positions holding verified (feature, next token) pairs
         self._root_hidden: Tensor | None = None   # (1, 1, H) output at the last committed position

@@ -54,6 +54,11 @@ def save_heads(head: Head, path: str | Path, *, base_model: str, base_revision: 
     Returns:
         The folder.
     """
+    quantized = [name for name, m in head.named_modules()
+                 if type(m).__module__.startswith("torch.ao.nn") and not name.endswith("_packed_params")]
+    if quantized:  # decode.layout.quantize_draft: int8 copies for decoding, not the trained weights
+        raise ValueError(f"this head holds {len(quantized)} quantized layers ({', '.join(quantized[:3])}, ...): "
+                         "int8 drafts are for decoding only; save the fp32 head")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     head_config = head.config.to_dict()

@@ -35,7 +35,7 @@ import transformers
 
 from decode import DEFAULT_TREES, DynamicTree, generate
 from decode.generate import DEFAULT_EAGLE_TREE
-from decode.layout import pack_for_tree, pretranspose_linears
+from decode.layout import is_int8_draft, pack_for_tree, pretranspose_linears, quantize_draft
 from decode.sizing import Calibration, calibrate
 from decode.tree import tree_label
 from heads import load_heads
@@ -258,6 +258,8 @@ def build_methods(args, model) -> tuple[list[Method], dict, dict]:
     if args.medusa2:
         targets["medusa2"] = merge_lora(load_target(args.model)[0], Path(args.medusa2) / "lora")
         loaded["medusa2"] = load_heads(Path(args.medusa2) / "head", target=targets["medusa2"])
+    for name, heads in loaded.items() if args.int8_draft else ():  # the target (and plain decoding) stays fp32
+        quantize_draft(heads, targets["medusa2" if name == "medusa2" else "base"])
     for name, label, target in (("medusa1", "Medusa-1", "base"), ("medusa2", "Medusa-2", "medusa2")):
         if name in loaded:
             tree = [p for p in DEFAULT_TREES["tree16"] if len(p) <= loaded[name].config.num_heads]
@@ -295,6 +297,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-pretranspose", action="store_true",
                         help="keep the standard weight layout (decode/layout.py) for every method, plain included")
+    parser.add_argument("--int8-draft", action="store_true",
+                        help="decode with int8 draft heads (decode/layout.py quantize_draft); the target stays fp32")
     parser.add_argument("--out", type=Path, default=Path("results/bench"))
     args = parser.parse_args(argv)
     if args.threads:
@@ -310,7 +314,7 @@ def main(argv: list[str] | None = None) -> dict:
                      "model": args.model, "threads": torch.get_num_threads(), "max_new_tokens": args.max_new_tokens,
                      "torch": torch.__version__, "transformers": transformers.__version__,
                      "machine": platform.processor() or platform.machine(), "pretransposed": not args.no_pretranspose,
-                     "rows": [], "sizing": {}}  # fmt: skip
+                     "int8_draft": sorted(name for name, heads in loaded.items() if is_int8_draft(heads)), "rows": [], "sizing": {}}  # fmt: skip
 
     # 1. cost-model tree sizing on the calibration prompts (disjoint from the benchmark prompts)
     for name, label in (("eagle3", "EAGLE-3 sized"), ("medusa1", "Medusa-1 sized")) if args.size_tree else ():
@@ -383,7 +387,8 @@ def render(results: dict, args) -> str:
     parts = [f"Command: `{results['command']}`\n",
              (f"Target {results['model']}, fp32, {results['threads']} threads, {results['max_new_tokens']} new tokens "
              f"at most, torch {results['torch']}, transformers {results['transformers']}, Linear weights "
-             f"{'pretransposed for multi-token passes' if results['pretransposed'] else 'in the standard layout'}. "
+             f"{'pretransposed for multi-token passes' if results['pretransposed'] else 'in the standard layout'}, "
+             f"{'int8 draft heads (EAGLE fc in fp32)' if results.get('int8_draft') else 'fp32 draft heads'}. "
              "Cells: tau (tokens per "
              "target forward, bonus token included) / speedup (method tok/s over plain tok/s on the same prompts, "
              "pooled) (median of per-prompt speedups). Temperature 0: outputs compared token for token with plain "

@@ -26,7 +26,7 @@ import torch
 
 from decode import generate
 from decode.generate import DEFAULT_EAGLE_TREE
-from decode.layout import pack_for_tree, pretranspose_linears
+from decode.layout import can_int8, is_int8_draft, pack_for_tree, pretranspose_linears, quantize_draft
 from decode.sizing import calibrate
 from decode.tree import tree_label
 from heads import load_heads
@@ -49,6 +49,8 @@ def main() -> None:
     parser.add_argument("--eval-prompts", type=int, default=3)
     parser.add_argument("--no-size-tree", dest="size_tree", action="store_false",
                         help="skip the cost-model tree (decode with the default tree only)")
+    parser.add_argument("--fp32-draft", dest="int8_draft", action="store_false",
+                        help="keep the draft head in fp32 (default: int8 where x86 kernels exist; decode/layout.py)")
     parser.add_argument("--out", default="runs/quickstart")
     args = parser.parse_args()
     out = ROOT / args.out
@@ -75,6 +77,9 @@ def main() -> None:
              "train.save_every_steps=20", "train.eval_every_steps=0", "train.eval_tau_prompts=0",
              "train.per_device_batch_size=4", "eagle.draft_vocab_size=8192"])
     head = load_heads(out / "head", target=model)
+    if args.int8_draft and can_int8():  # lossless still: the fp32 target verifies every draft
+        quantize_draft(head, model)
+        print("      draft head in int8 (its fc in fp32); the target stays fp32", flush=True)
     added = pretranspose_linears(model) + pretranspose_linears(head)  # faster multi-token passes (decode/layout.py)
     print(f"      Linear weights pretransposed for tree verification: +{added / 2**20:.0f} MiB", flush=True)
 
@@ -115,7 +120,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for name, tree in trees.items():
         tau, speedup, plain_tps, spec_tps = (statistics.median(col) for col in zip(*results[name]))
-        print(f"| EAGLE-3, {args.steps} steps of 4 on data/smollm2/regen | {name}: {tree_label(tree)} | "
+        print(f"| EAGLE-3{' (int8 draft)' if is_int8_draft(head) else ''}, {args.steps} steps of 4 on "
+              f"data/smollm2/regen | {name}: {tree_label(tree)} | "
               f"{len(rows)} | {tau:.2f} | {speedup:.2f}x | {plain_tps:.1f} | {spec_tps:.1f} |")
     print("\nmedians over prompts, measured in this process; outputs identical to plain greedy decoding.")
 

@@ -159,6 +159,8 @@ class MedusaTrainConfig:
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     heads_only_steps: int = 0      # Medusa-2 stage 1: optimizer steps on the heads alone before LoRA joins
     head_lr_multiplier: float = 4.0  # Medusa-2: heads' lr = learning_rate x this (Medusa: x4)
+    init_from: str | None = None   # exported Medusa head folder to start from (more epochs, new data); its
+                                   # num_heads, num_layers and share_lm_head must equal the ones above
 
     def __post_init__(self) -> None:
         _at_least(self, 1, "num_heads")

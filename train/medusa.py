@@ -20,7 +20,7 @@ from accelerate.utils import set_seed
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from heads import MedusaConfig, MedusaHeads
+from heads import MedusaConfig, MedusaHeads, load_heads
 from heads.target import load_target
 from train.checkpoint import export_head, save_state
 from train.common import (
@@ -103,6 +103,25 @@ def frozen_or_lora_target(cfg: MedusaRunConfig, accelerator) -> tuple[nn.Module,
     return target, tokenizer
 
 
+def new_heads(cfg: MedusaTrainConfig, target: nn.Module) -> MedusaHeads:
+    """Fresh heads whose projections start from the target's lm_head, or, with `cfg.init_from`, the exported
+    heads in that folder (checked against the target and against num_heads / num_layers / share_lm_head)."""
+    text = target.config.get_text_config()
+    wanted = {"num_heads": cfg.num_heads, "num_layers": cfg.num_layers, "share_lm_head": cfg.share_lm_head}
+    if not cfg.init_from:
+        heads = MedusaHeads(MedusaConfig(text.hidden_size, text.vocab_size, **wanted))
+        heads.init_from_lm_head(target.get_output_embeddings().weight)
+        return heads
+    heads = load_heads(cfg.init_from, target.config)
+    if not isinstance(heads, MedusaHeads):
+        raise TypeError(f"medusa.init_from={cfg.init_from} holds a {heads.head_type} head, not Medusa heads")
+    found = {key: getattr(heads.config, key) for key in wanted}
+    if found != wanted:
+        diff = ", ".join(f"{k}: {wanted[k]} (config) vs {found[k]} (head)" for k in wanted if wanted[k] != found[k])
+        raise ValueError(f"medusa.init_from={cfg.init_from} does not match the medusa section: {diff}")
+    return heads.train().requires_grad_(True)
+
+
 def main(cfg: MedusaRunConfig) -> None:
     if cfg.data.hidden_states != "online" and cfg.medusa.lora_r > 0:  # fail before any model loads
         raise ValueError("data.hidden_states=offline is for Medusa-1 only: Medusa-2 trains LoRA on the target, "
@@ -118,10 +137,7 @@ def main(cfg: MedusaRunConfig) -> None:
     # 1. target (frozen, or LoRA for Medusa-2) + trainable heads, projections initialised from its lm_head
     target, tokenizer = frozen_or_lora_target(cfg, accelerator)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    text = target.config.get_text_config()
-    heads = MedusaHeads(MedusaConfig(text.hidden_size, text.vocab_size, num_heads=cfg.medusa.num_heads,
-                                     num_layers=cfg.medusa.num_layers, share_lm_head=cfg.medusa.share_lm_head))
-    heads.init_from_lm_head(target.get_output_embeddings().weight)
+    heads = new_heads(cfg.medusa, target)
     heads.to(dtype=target.dtype, device=accelerator.device)
     step_module = MedusaStep(heads, target, cfg.medusa)
 

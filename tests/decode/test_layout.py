@@ -11,12 +11,17 @@ from torch import nn
 from decode import generate
 from decode.generate import DEFAULT_EAGLE_TREE
 from decode.layout import (
+    DRAFT_LM_HEAD,
+    can_int8,
     can_pack,
+    draft_lm_head,
+    is_int8_draft,
     is_pretransposed,
     pack_for_tree,
     pack_linears,
     packed_rows,
     pretranspose_linears,
+    quantize_draft,
 )
 from decode.sizing import measure_verify_cost
 from decode.tree import DEFAULT_MEDUSA_TREE, DEFAULT_TREES, DynamicTree, build_tree, verify_rows
@@ -185,3 +190,85 @@ def test_greedy_speculative_decoding_on_packed_models_equals_plain(any_target, t
     out = generate(target, PROMPT, head, max_new_tokens=40, tree=tree)
     assert out.sequences.tolist() == plain[:, : PROMPT.shape[1] + 40].tolist()
     assert out.tau > 1.5
+
+
+needs_fbgemm = pytest.mark.skipif(not can_int8(), reason="this torch build has no x86 quantized engine")
+
+
+def _eagle3(target, seed: int = 0) -> EagleHead:
+    torch.manual_seed(seed)
+    head = EagleHead(EagleConfig.from_target(target.config, "eagle3", draft_vocab_size=64)).eval()
+    head.set_draft_vocab(torch.randperm(128)[:64])
+    for param in head.parameters():  # a trained-looking head: weights well away from their init
+        param.data.add_(0.05 * torch.randn_like(param))
+    return head
+
+
+@needs_fbgemm
+def test_int8_draft_logits_stay_close_to_fp32(build_target):
+    target = build_target("llama")
+    head = _eagle3(target)
+    features = torch.randn(1, 24, 3 * 32)
+    embeds = target.get_input_embeddings()(torch.randint(0, 128, (1, 24)))
+    positions = torch.arange(24)[None]
+
+    def logits(module):
+        with torch.no_grad():
+            return module.logits(module(module.project_features(features), embeds, positions), None)[0]
+
+    before = logits(head)
+    quantized = quantize_draft(copy.deepcopy(head))
+    after = logits(quantized)
+    assert is_int8_draft(quantized) and not is_int8_draft(head)
+    # all int8 but fc, which reads the target's raw hidden states (their outliers need fp32)
+    assert [name for name, m in quantized.named_modules() if isinstance(m, nn.Linear)] == ["fc"]
+    assert (after - before).abs().max() < 0.05 * before.abs().max()  # int8 error: a few percent at most
+    assert (after.argmax(-1) == before.argmax(-1)).float().mean() >= 0.9
+    assert not torch.equal(after, before)  # the int8 path really ran
+
+
+@needs_fbgemm
+@pytest.mark.parametrize("kind", ["eagle3", "eagle1", "medusa_shared", "medusa_own"])
+def test_greedy_decoding_with_int8_drafts_equals_plain_and_leaves_the_target_alone(any_target, kind):
+    plain = generate(any_target, PROMPT, max_new_tokens=32).sequences
+    target = copy.deepcopy(any_target)
+    lm_weight = target.get_output_embeddings().weight.clone()
+    torch.manual_seed(0)
+    if kind == "eagle3":
+        heads = _eagle3(target)
+    elif kind == "eagle1":
+        heads = EagleHead(EagleConfig.from_target(target.config, "eagle1")).eval()
+    else:
+        heads = MedusaHeads(MedusaConfig(hidden_size=32, vocab_size=128, num_heads=4,
+                                         share_lm_head=kind == "medusa_shared")).eval()
+        heads.init_from_lm_head(lm_weight)
+    shares = kind in ("eagle1", "medusa_shared")
+    if shares:
+        with pytest.raises(ValueError, match="project with the target's lm_head: pass target="):
+            quantize_draft(copy.deepcopy(heads))
+    assert quantize_draft(heads, target) is heads
+    assert (draft_lm_head(heads, target) is target.get_output_embeddings()) != shares
+    assert not any(name.startswith(DRAFT_LM_HEAD) for name, _ in heads.named_modules())  # no submodule
+    for tree in (None, "tree8"):
+        out = generate(target, PROMPT, heads, max_new_tokens=32, tree=tree)
+        assert out.sequences.tolist() == plain.tolist()
+    assert isinstance(target.get_output_embeddings(), nn.Linear)
+    assert torch.equal(target.get_output_embeddings().weight, lm_weight)
+
+
+@needs_fbgemm
+def test_int8_heads_are_not_saved(build_target, tmp_path):
+    from heads.io import save_heads
+
+    head = quantize_draft(_eagle3(build_target("llama")))
+    with pytest.raises(ValueError, match=r"holds 8 quantized layers \(midlayer.self_attn.q_proj, midlayer.self_attn."
+                                         r"k_proj, midlayer.self_attn.v_proj, \.\.\.\): int8 drafts are for decoding"):
+        save_heads(head, tmp_path / "head", base_model="tiny")
+    assert not (tmp_path / "head").exists()
+
+
+@needs_fbgemm
+def test_quantize_draft_refuses_heads_it_cannot_serve(build_target):
+    head = _eagle3(build_target("llama")).to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"fp32 heads on the CPU; these heads hold \['torch.bfloat16 on cpu'\]"):
+        quantize_draft(head)

@@ -78,3 +78,17 @@ def test_bench_runs_every_method_and_writes_reports(tmp_path, tiny_target_dir, h
         speeds = [c["predicted_speedup"] for c in sizing["candidates"]]
         assert speeds == sorted(speeds, reverse=True)
         assert sizing["chosen"] in printed
+
+
+def test_bench_int8_drafts_stay_lossless_and_are_reported(tmp_path, tiny_target_dir, head_dirs, capsys):
+    bench = runpy.run_path(str(SCRIPT))
+    results = bench["main"]([
+        "--model", str(tiny_target_dir), "--eagle3", str(head_dirs / "eagle3"), "--eagle1", str(head_dirs / "eagle1"),
+        "--medusa2", str(head_dirs / "medusa2"), "--prompts", "1", "--max-new-tokens", "12", "--temperatures", "0",
+        "--threads", "1", "--int8-draft", "--out", str(tmp_path / "out"),
+    ])  # fmt: skip
+    assert results["int8_draft"] == ["eagle1", "eagle3", "medusa2"]
+    assert "int8 draft heads (EAGLE fc in fp32)" in capsys.readouterr().out
+    rows = [r for r in results["rows"] if r["method"] != "prompt lookup"]
+    assert {r["method"] for r in rows} == {"Medusa-2", "EAGLE-1", "EAGLE-3 static", "EAGLE-3 dynamic"}
+    assert all(r["identical_to_plain"] == r["prompts"] for r in rows)

@@ -52,6 +52,23 @@ def test_medusa1_resume_equals_uninterrupted(tmp_path, overrides):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_medusa1_init_from_starts_at_an_exported_head(tmp_path, overrides):
+    run(overrides(tmp_path / "first", *FAST, "train.max_steps=2"))
+    start = tmp_path / "first" / "head"
+    # lr 1e-12: one Adam step moves each weight by ~1e-12, so the export must equal the heads it started from
+    run(overrides(tmp_path / "second", *FAST, f"medusa.init_from='{start}'", "train.max_steps=1",
+                  "train.learning_rate=1e-12"))
+    first = load_file(start / "model.safetensors")
+    second = load_file(tmp_path / "second" / "head" / "model.safetensors")
+    assert first.keys() == second.keys()
+    for key in first:
+        torch.testing.assert_close(second[key], first[key], rtol=0, atol=1e-8)
+    assert any(first[k].abs().sum() > 0 for k in first if "linear.weight" in k)  # trained, not the zero init
+    with pytest.raises(ValueError, match=r"does not match the medusa section: num_heads: 3 \(config\) vs 2"):
+        run(overrides(tmp_path / "third", "train.eval_tau_prompts=0", "medusa.num_heads=3",
+                      f"medusa.init_from='{start}'", "train.max_steps=1"))
+
+
 def test_medusa2_trains_lora_after_heads_only_stage(tmp_path, overrides, tiny_target_dir):
     out = tmp_path / "m2"
     run(
