@@ -36,7 +36,7 @@ import transformers
 from decode import DEFAULT_TREES, DynamicTree, generate
 from decode.generate import DEFAULT_EAGLE_TREE
 from decode.layout import is_int8_draft, pack_for_tree, pretranspose_linears, quantize_draft
-from decode.sizing import Calibration, calibrate
+from decode.sizing import Calibration, best_tree, calibrate
 from decode.tree import tree_label
 from heads import load_heads
 from heads.target import DEFAULT_TARGET, load_target, merge_lora
@@ -292,6 +292,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     parser.add_argument("--size-tree", action="store_true", help="add cost-model-sized trees (EAGLE-3, Medusa-1)")
+    parser.add_argument("--medusa1-tree", type=int, action="append", metavar="NODES",
+                        help="one more Medusa-1 static tree: the NODES most probable nodes under the acceptance that "
+                             "--size-tree measured (repeatable; needs --size-tree)")
     parser.add_argument("--repeats", type=int, default=3, help="timing repeats of the cost measurements")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--seed", type=int, default=0)
@@ -301,6 +304,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help="decode with int8 draft heads (decode/layout.py quantize_draft); the target stays fp32")
     parser.add_argument("--out", type=Path, default=Path("results/bench"))
     args = parser.parse_args(argv)
+    if args.medusa1_tree and not (args.size_tree and args.medusa1):
+        parser.error("--medusa1-tree needs --size-tree and --medusa1 (it builds trees from the measured acceptance)")
     if args.threads:
         torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -324,6 +329,10 @@ def main(argv: list[str] | None = None) -> dict:
                                max_new_tokens=args.max_new_tokens, verify_sizes=VERIFY_SIZES, repeats=args.repeats)
             results["sizing"][name], method = sizing_record(sizing, methods, loaded[name], label)
             methods += [method] if method is not None else []
+            for nodes in (args.medusa1_tree or []) if name == "medusa1" else []:
+                _, paths = best_tree(sizing.acceptance, nodes, max_depth=loaded[name].config.num_heads)
+                methods.append(Method(f"Medusa-1 {nodes} nodes", loaded[name], paths,
+                                      tree_label="measured acceptance: " + tree_label(paths)))
 
     # 2. the benchmark: per temperature, category and prompt, plain then every method in a rotating order
     tallies = run_benchmark(args, tokenizer, targets, methods, prompts)

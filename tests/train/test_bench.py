@@ -46,7 +46,7 @@ def test_bench_runs_every_method_and_writes_reports(tmp_path, tiny_target_dir, h
         "--model", str(tiny_target_dir), "--eagle3", str(head_dirs / "eagle3"), "--eagle1", str(head_dirs / "eagle1"),
         "--medusa1", str(head_dirs / "medusa1"), "--medusa2", str(head_dirs / "medusa2"), "--prompts", "1",
         "--calibration-prompts", "1", "--max-new-tokens", "12", "--temperatures", "0", "1", "--size-tree",
-        "--repeats", "1", "--threads", "1", "--eagle3-tree", "3", "2", "5", "--out", str(out),
+        "--repeats", "1", "--threads", "1", "--eagle3-tree", "3", "2", "5", "--medusa1-tree", "6", "--out", str(out),
     ])  # fmt: skip
     assert torch.is_grad_enabled()  # the benchmark leaves the caller's grad mode alone
     printed = capsys.readouterr().out
@@ -57,6 +57,8 @@ def test_bench_runs_every_method_and_writes_reports(tmp_path, tiny_target_dir, h
     methods = {r["method"] for r in results["rows"]}
     assert {"prompt lookup", "Medusa-1", "Medusa-2", "EAGLE-1", "EAGLE-3 static", "EAGLE-3 dynamic",
             "EAGLE-3 dynamic 3/2/5"} <= methods
+    wide = next(r for r in results["rows"] if r["method"] == "Medusa-1 6 nodes")
+    assert wide["tree"].startswith("measured acceptance: static, ") and wide["draft_nodes_per_step"] <= 6
     extra = next(r for r in results["rows"] if r["method"] == "EAGLE-3 dynamic 3/2/5")
     assert extra["tree"] == "dynamic(depth=3, top_k=2, total=5)" and extra["draft_nodes_per_step"] <= 5
     for row in results["rows"]:
@@ -92,3 +94,10 @@ def test_bench_int8_drafts_stay_lossless_and_are_reported(tmp_path, tiny_target_
     rows = [r for r in results["rows"] if r["method"] != "prompt lookup"]
     assert {r["method"] for r in rows} == {"Medusa-2", "EAGLE-1", "EAGLE-3 static", "EAGLE-3 dynamic"}
     assert all(r["identical_to_plain"] == r["prompts"] for r in rows)
+
+
+def test_bench_medusa1_tree_needs_the_sizing(tmp_path, head_dirs, capsys):
+    bench = runpy.run_path(str(SCRIPT))
+    with pytest.raises(SystemExit):
+        bench["main"](["--medusa1", str(head_dirs / "medusa1"), "--medusa1-tree", "8", "--out", str(tmp_path)])
+    assert "--medusa1-tree needs --size-tree and --medusa1" in capsys.readouterr().err
