@@ -181,9 +181,9 @@ def quantize_draft(heads: nn.Module, target: nn.Module | None = None) -> nn.Modu
     the old layers), except an EAGLE head's `fc`: it reads the target's raw hidden states, whose outlier channels
     one int8 activation scale per tensor cannot hold (measured on the default target's EAGLE-3 head, 3 chat
     prompts: tau 3.18 with fc kept in fp32, as with the fp32 head; 2.56 with fc in int8). `fc` runs once per
-    step, on the accepted tokens only. Heads that project with the target's lm_head (Medusa `share_lm_head`, EAGLE-1) get an int8
-    copy of it that only their drafts use; the target itself is not touched. Inference only: do not train or save
-    quantized heads (their Linear weights are no longer parameters).
+    step, on the accepted tokens only. Heads that project with the target's lm_head (Medusa `share_lm_head`,
+    EAGLE-1) get an int8 copy of it that only their drafts use; the target itself is not touched. Inference
+    only: do not train or save quantized heads (their Linear weights are no longer parameters).
 
     Args:
         heads: MedusaHeads or an EagleHead, fp32, on the CPU.
@@ -225,4 +225,6 @@ def draft_lm_head(heads: nn.Module, target: nn.Module) -> nn.Module:
 
 def is_int8_draft(heads: nn.Module) -> bool:
     """True when `quantize_draft` has been applied to `heads`."""
-    return any(type(m).__module__.startswith("torch.ao.nn.quantized") for m in heads.modules())
+    from heads.io import quantized_layers
+
+    return bool(quantized_layers(heads))

@@ -40,6 +40,12 @@ def _text_config(target) -> object:
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+def quantized_layers(module: nn.Module) -> list[str]:
+    """Names of the torch.ao quantized layers under `module` (what `decode.layout.quantize_draft` swaps in)."""
+    return [name for name, layer in module.named_modules()
+            if type(layer).__module__.startswith("torch.ao.nn") and not name.endswith("_packed_params")]
+
+
 def save_heads(head: Head, path: str | Path, *, base_model: str, base_revision: str | None = None,
                target=None, extra: dict | None = None) -> Path:
     """Write an export folder holding exactly `config.json` and `model.safetensors`.
@@ -54,8 +60,7 @@ def save_heads(head: Head, path: str | Path, *, base_model: str, base_revision: 
     Returns:
         The folder.
     """
-    quantized = [name for name, m in head.named_modules()
-                 if type(m).__module__.startswith("torch.ao.nn") and not name.endswith("_packed_params")]
+    quantized = quantized_layers(head)
     if quantized:  # decode.layout.quantize_draft: int8 copies for decoding, not the trained weights
         raise ValueError(f"this head holds {len(quantized)} quantized layers ({', '.join(quantized[:3])}, ...): "
                          "int8 drafts are for decoding only; save the fp32 head")

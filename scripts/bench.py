@@ -319,7 +319,8 @@ def main(argv: list[str] | None = None) -> dict:
                      "model": args.model, "threads": torch.get_num_threads(), "max_new_tokens": args.max_new_tokens,
                      "torch": torch.__version__, "transformers": transformers.__version__,
                      "machine": platform.processor() or platform.machine(), "pretransposed": not args.no_pretranspose,
-                     "int8_draft": sorted(name for name, heads in loaded.items() if is_int8_draft(heads)), "rows": [], "sizing": {}}  # fmt: skip
+                     "int8_draft": sorted(name for name, heads in loaded.items() if is_int8_draft(heads)),
+                     "rows": [], "sizing": {}}  # fmt: skip
 
     # 1. cost-model tree sizing on the calibration prompts (disjoint from the benchmark prompts)
     for name, label in (("eagle3", "EAGLE-3 sized"), ("medusa1", "Medusa-1 sized")) if args.size_tree else ():
