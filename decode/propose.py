@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from decode.fused import fused_step
 from decode.layout import draft_lm_head
 from decode.tree import DraftTree, DynamicTree, TreeBuffers, select_nodes
 from heads.eagle import DraftCache, EagleHead, additive_mask
@@ -21,19 +22,20 @@ from heads.medusa import MedusaHeads
 
 @dataclass
 class Candidates:
-    draft_ids: Tensor   # (k,) draft-vocabulary ids in draw order
-    slot_logq: Tensor   # (k,) k largest log q values, decreasing: the slot scores
-    q: Tensor | None    # (Vd,) draft distribution the ids were drawn from (sampling only)
+    draft_ids: Tensor   # (n, k) draft-vocabulary ids in draw order, one row per expanded node
+    slot_logq: Tensor   # (n, k) k largest log q values per row, decreasing: the slot scores
+    q: Tensor | None    # (n, Vd) draft distributions the ids were drawn from (sampling only)
 
 
 def draw_children(logits: Tensor, k: int, temperature: float, generator: torch.Generator | None) -> Candidates:
-    """Top-k of the draft (greedy) or k draws without replacement from softmax(logits / T)."""
-    k = min(k, logits.numel())
+    """Per row of `logits` (n, Vd) (or one (Vd,) row): its top-k (greedy) or k draws without replacement from
+    softmax(row / T). One batched call for all the nodes a draft level expands."""
+    logits = logits.float().reshape(-1, logits.shape[-1])
+    k = min(k, logits.shape[-1])
     if temperature == 0:
-        logq = torch.log_softmax(logits.float(), dim=-1)
-        top = torch.topk(logq, k)
-        return Candidates(top.indices, top.values, None)
-    logq = torch.log_softmax(logits.float() / temperature, dim=-1)
+        top = torch.topk(logits, k)  # log q = logit - logsumexp: the same order without a full log_softmax pass
+        return Candidates(top.indices, top.values - torch.logsumexp(logits, dim=-1, keepdim=True), None)
+    logq = torch.log_softmax(logits / temperature, dim=-1)
     uniform = torch.rand(logq.shape, generator=generator, device=logq.device).clamp_(1e-20, 1.0)
     gumbel = -torch.log(-torch.log(uniform))
     ids = torch.topk(logq + gumbel, k).indices  # Gumbel-top-k = sequential sampling without replacement
@@ -93,10 +95,14 @@ class MedusaDrafter(Drafter):
 
 
 class EagleDrafter(Drafter):
-    """EAGLE-1/3: the head autoregresses on features with its own KV cache; tree nodes use tree attention."""
+    """EAGLE-1/3: the head autoregresses on features with its own KV cache; tree nodes use tree attention.
 
-    def __init__(self, head: EagleHead, target: nn.Module) -> None:
+    `fused=True` (default) runs the head through `decode.fused.FusedEagleStep` (the same function, fewer and
+    larger kernel calls); False runs `EagleHead.forward` itself."""
+
+    def __init__(self, head: EagleHead, target: nn.Module, *, fused: bool = True) -> None:
         self.head = head
+        self.step = fused_step(head) if fused else head
         self.embed, self.lm_head = target.get_input_embeddings(), draft_lm_head(head, target)
         self.feature_layers = head.feature_layers
         self.dtype = float_dtype(head)
@@ -105,7 +111,8 @@ class EagleDrafter(Drafter):
         self._root_hidden: Tensor | None = None   # (1, 1, H) output at the last committed position
         self._hidden: dict[int, Tensor] = {}      # node -> draft output hidden (H,) during a proposal
         self._slot: dict[int, int] = {}           # node -> index among this proposal's cached tree entries
-        self._ancestors: dict[int, set[int]] = {}
+        # row s: which of this proposal's cached tree entries the entry in slot s may attend to (its ancestors, itself)
+        self._tree_allowed = torch.zeros(0, 0, dtype=torch.bool)
 
     @torch.no_grad()
     def advance(self, features: Tensor, next_tokens: Tensor) -> None:
@@ -113,13 +120,32 @@ class EagleDrafter(Drafter):
         feats = self.head.project_features(features.to(self.dtype)[None])       # (1, n, H)
         embeds = self.embed(next_tokens[None]).to(self.dtype)                   # (1, n, H)
         positions = torch.arange(self.committed, self.committed + n, device=feats.device)[None]
-        hidden = self.head(feats, embeds, positions, self.cache)
+        hidden = self.step(feats, embeds, positions, self.cache)
         self.committed += n
         self._root_hidden = hidden[:, -1:]
-        self._hidden, self._slot, self._ancestors = {0: hidden[0, -1]}, {}, {0: set()}
+        self._hidden, self._slot = {0: hidden[0, -1]}, {}
 
     def root_logits(self) -> Tensor:
         return self.head.logits(self._root_hidden, self.lm_head)[0, 0]
+
+    def _tree_mask(self, parents: list[int], n: int, device: torch.device) -> Tensor:
+        """(1, 1, n, committed + cached + n) additive mask of n new nodes: the committed prefix, the cached
+        entries of their ancestors, and themselves."""
+        cached = len(self._slot)
+        if cached + n > self._tree_allowed.shape[0]:
+            grown = torch.zeros(2 * (cached + n), 2 * (cached + n), dtype=torch.bool, device=device)
+            grown[:cached, :cached] = self._tree_allowed[:cached, :cached]
+            self._tree_allowed = grown
+        slots = torch.tensor([self._slot.get(p, -1) for p in parents], device=device)
+        rows = torch.zeros(n, self._tree_allowed.shape[1], dtype=torch.bool, device=device)
+        below = (slots >= 0).nonzero().flatten()  # nodes whose parent is a tree entry (not the root)
+        rows[below] = self._tree_allowed[slots[below]]  # the parent's ancestors and the parent itself
+        new = torch.arange(n, device=device)
+        rows[new, cached + new] = True
+        self._tree_allowed[cached : cached + n] = rows
+        allowed = torch.ones(n, self.committed + cached + n, dtype=torch.bool, device=device)
+        allowed[:, self.committed :] = rows[:, : cached + n]
+        return additive_mask(allowed, self.dtype)[None, None]
 
     @torch.no_grad()
     def expand(self, nodes, tokens, parents, depth):
@@ -127,24 +153,18 @@ class EagleDrafter(Drafter):
         feats = torch.stack([self._hidden[p] for p in parents])[None]           # (1, n, H)
         embeds = self.embed(tokens.to(feats.device)[None]).to(self.dtype)       # (1, n, H)
         positions = torch.full((1, n), self.committed + depth - 1, dtype=torch.long, device=feats.device)
+        mask = self._tree_mask(parents, n, feats.device)
         cached = len(self._slot)
-        allowed = torch.zeros(n, self.committed + cached + n, dtype=torch.bool, device=feats.device)
-        allowed[:, : self.committed] = True
-        for row, (node, parent) in enumerate(zip(nodes, parents)):
-            self._ancestors[node] = self._ancestors[parent] | ({parent} if parent else set())
-            for ancestor in self._ancestors[node]:
-                allowed[row, self.committed + self._slot[ancestor]] = True
-            allowed[row, self.committed + cached + row] = True
+        for row, node in enumerate(nodes):
             self._slot[node] = cached + row
-        mask = additive_mask(allowed, self.dtype)[None, None]
-        hidden = self.head(feats, embeds, positions, self.cache, attention_mask=mask)[0]  # (n, H)
+        hidden = self.step(feats, embeds, positions, self.cache, attention_mask=mask)[0]  # (n, H)
         for row, node in enumerate(nodes):
             self._hidden[node] = hidden[row]
         return self.head.logits(hidden, self.lm_head)
 
     def end_proposal(self) -> None:
         self.cache.crop(self.committed)
-        self._hidden, self._slot, self._ancestors = {0: self._root_hidden[0, 0]}, {}, {0: set()}
+        self._hidden, self._slot = {0: self._root_hidden[0, 0]}, {}
 
     def to_target_ids(self, draft_ids: Tensor) -> Tensor:
         return self.head.to_target_ids(draft_ids)
@@ -170,22 +190,27 @@ class _Growth:
         self.q_rows: list[int] = [-1]
         self.q_table: list[Tensor] = []
 
-    def add_children(self, node: int, logits: Tensor, k: int) -> list[int]:
-        cand = draw_children(logits, k, self.temperature, self.generator)
+    def add_children(self, nodes: list[int], logits: Tensor, ks: list[int]) -> list[int]:
+        """Give node nodes[i] ks[i] children drawn from logits[i] (one batched draw); returns the new nodes."""
+        cand = draw_children(logits, max(ks), self.temperature, self.generator)
         if cand.q is not None:
-            self.q_rows[node] = len(self.q_table)
-            full = torch.zeros(self.vocab_size, dtype=torch.float32, device=cand.q.device)
-            full[self.drafter.to_target_ids(torch.arange(cand.q.numel(), device=cand.q.device))] = cand.q
-            self.q_table.append(full)
+            draft_vocab = self.drafter.to_target_ids(torch.arange(cand.q.shape[-1], device=cand.q.device))
+            full = torch.zeros(len(nodes), self.vocab_size, dtype=torch.float32, device=cand.q.device)
+            full[:, draft_vocab] = cand.q
+            for row, node in enumerate(nodes):
+                self.q_rows[node] = len(self.q_table)
+                self.q_table.append(full[row])
         targets = self.drafter.to_target_ids(cand.draft_ids).tolist()
+        slots = cand.slot_logq.tolist()
         created = []
-        for rank, (token, slot) in enumerate(zip(targets, cand.slot_logq.tolist())):
-            created.append(len(self.tokens))
-            self.tokens.append(token)
-            self.parents.append(node)
-            self.ranks.append(rank)
-            self.scores.append(self.scores[node] + slot)
-            self.q_rows.append(-1)
+        for node, k, row_targets, row_slots in zip(nodes, ks, targets, slots):
+            for rank, (token, slot) in enumerate(zip(row_targets[:k], row_slots[:k])):
+                created.append(len(self.tokens))
+                self.tokens.append(token)
+                self.parents.append(node)
+                self.ranks.append(rank)
+                self.scores.append(self.scores[node] + slot)
+                self.q_rows.append(-1)
         return created
 
     def expand(self, nodes: list[int], depth: int) -> Tensor:
@@ -238,13 +263,12 @@ def _grow_static(growth: _Growth, tree: TreeBuffers) -> DraftTree:
     num_children = [0] * len(parents)
     for node in range(1, len(parents)):
         num_children[parents[node]] = max(num_children[parents[node]], ranks[node] + 1)
-    growth.add_children(0, growth.drafter.root_logits(), num_children[0])
+    growth.add_children([0], growth.drafter.root_logits(), [num_children[0]])
     for depth in range(1, tree.depth):
         expandable = [i for i in range(len(parents)) if depths[i] == depth and num_children[i] > 0]
         if expandable:
             logits = growth.expand(expandable, depth)
-            for row, node in enumerate(expandable):
-                growth.add_children(node, logits[row], num_children[node])
+            growth.add_children(expandable, logits, [num_children[node] for node in expandable])
     if growth.parents != parents or growth.ranks != ranks:
         raise AssertionError("static tree growth diverged from the tree's node order")
     return growth.result()
@@ -252,12 +276,10 @@ def _grow_static(growth: _Growth, tree: TreeBuffers) -> DraftTree:
 
 def _grow_dynamic(growth: _Growth, spec: DynamicTree) -> DraftTree:
     depth_limit = min(spec.depth, growth.drafter.max_depth or spec.depth)
-    frontier_nodes = growth.add_children(0, growth.drafter.root_logits(), spec.top_k)
+    frontier_nodes = growth.add_children([0], growth.drafter.root_logits(), [spec.top_k])
     for depth in range(1, depth_limit):
         best = sorted(frontier_nodes, key=lambda i: (-growth.scores[i], i))[: spec.top_k]
         best.sort()
         logits = growth.expand(best, depth)
-        frontier_nodes = []
-        for row, node in enumerate(best):
-            frontier_nodes += growth.add_children(node, logits[row], spec.top_k)
+        frontier_nodes = growth.add_children(best, logits, [spec.top_k] * len(best))
     return growth.result(select_nodes(growth.scores, growth.parents, spec.total_tokens))

@@ -184,30 +184,43 @@ def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
 def measure_verify_cost(
     model: nn.Module, context: torch.Tensor, sizes: Sequence[int], repeats: int = 5
 ) -> dict[int, float]:
-    """Median seconds of one tree verify forward over n tokens (chain-shaped) above a cached `context` (1, T).
+    """Seconds of one tree verify forward over n tokens (chain-shaped) above a cached `context` (1, T).
+
+    The sizes are timed in `repeats` interleaved rounds (each round times every size once, after a warm-up
+    pass), so a slow spell of a shared machine spreads over all sizes instead of spoiling one; each size gets
+    the median of its rounds. The result is then made non-decreasing in n (`monotone_costs`): a tree of n
+    tokens can always be padded to a larger measured size, so C_T(n) is at most C_T(m) for m > n.
     A pretransposed target (`decode.layout`) is measured packed for each n, as `pack_for_tree` packs it to decode
     with an n-token tree, and is left packed as it was."""
     cache = DynamicCache(config=model.config)
     model(input_ids=context, cache=cache, use_cache=True, logits_to_keep=1)
     past = context.shape[1]
-    costs = {}
+    times: dict[int, list[float]] = {n: [] for n in sizes}
     pack, before = is_pretransposed(model) and can_pack(), packed_rows(model)
-    for n in sizes:
-        if pack:  # a pretransposed target decodes packed for its tree (`pack_for_tree`): measure n that way
-            pack_linears(model, n if n >= 2 else None)
-        tokens = torch.randint(0, model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(n))
-        tree = DraftTree(
-            tokens=tokens, parents=torch.arange(-1, n - 1), ranks=torch.zeros(n, dtype=torch.long)
-        )
+    for _ in range(max(repeats, 1)):
+        for n in sizes:
+            if pack:  # a pretransposed target decodes packed for its tree (`pack_for_tree`): measure n that way
+                pack_linears(model, n if n >= 2 else None)
+            tokens = torch.randint(0, model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(n))
+            tree = DraftTree(tokens=tokens, parents=torch.arange(-1, n - 1), ranks=torch.zeros(n, dtype=torch.long))
 
-        def run(tree: DraftTree = tree, n: int = n) -> None:
-            verify(model, cache, tree, past)
-            cache.crop(-n)  # transformers 5.x: drop the n positions just verified
+            def run(tree: DraftTree = tree, n: int = n) -> None:
+                verify(model, cache, tree, past)
+                cache.crop(-n)  # transformers 5.x: drop the n positions just verified
 
-        costs[n] = _median_seconds(run, repeats)
+            times[n].append(_median_seconds(run, 1))
     if pack:
         pack_linears(model, before)
-    return costs
+    return monotone_costs({n: statistics.median(t) for n, t in times.items()})
+
+
+def monotone_costs(costs: dict[int, float]) -> dict[int, float]:
+    """{n: min over m >= n of costs[m]}: the cost of n tree tokens, padding to a larger size where that is cheaper."""
+    out, best = {}, float("inf")
+    for n in sorted(costs, reverse=True):
+        best = min(best, costs[n])
+        out[n] = best
+    return {n: out[n] for n in costs}
 
 
 @torch.no_grad()

@@ -57,10 +57,11 @@ def compact_cache(cache: DynamicCache, past_length: int, keep: list[int]) -> Non
         if keep == list(range(len(keep))):  # a chain prefix: a crop is enough
             layer.keys = layer.keys[..., : past_length + len(keep), :]
             layer.values = layer.values[..., : past_length + len(keep), :]
-        else:
-            index = torch.tensor(list(range(past_length)) + [past_length + i for i in keep],
-                                 device=layer.keys.device)
-            layer.keys = layer.keys.index_select(-2, index)
-            layer.values = layer.values.index_select(-2, index)
+        else:  # move the kept tree entries up behind the prefix (the prefix itself is not copied), then crop
+            index = torch.tensor([past_length + i for i in keep], device=layer.keys.device)
+            end = past_length + len(keep)
+            layer.keys[..., past_length:end, :] = layer.keys.index_select(-2, index)
+            layer.values[..., past_length:end, :] = layer.values.index_select(-2, index)
+            layer.keys, layer.values = layer.keys[..., :end, :], layer.values[..., :end, :]
         if hasattr(layer, "cumulative_length"):
             layer.cumulative_length = past_length + len(keep)

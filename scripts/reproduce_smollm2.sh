@@ -8,9 +8,9 @@
 # target, so it runs the target online, briefly. Core 1 trains EAGLE-3 (one epoch, then twice two more, each
 # from the last head with a fresh, lower schedule: five epochs), then EAGLE-1 (briefly); core 2 Medusa-1 (two
 # epochs), then Medusa-2 (briefly). Then, on both cores, EAGLE-3 two more epochs with 5 TTT steps instead of 3,
-# and a last epoch over 2,560 chats (512 more regenerated ones, a second dump); Medusa-1 three more epochs over
-# those 2,560. About five hours after the first dump on 2 cores, most of it EAGLE-3. The benchmark decodes with
-# int8 draft heads (the target stays fp32).
+# and three last epochs over 2,560 chats (512 more regenerated ones, a second dump); Medusa-1 three more epochs
+# over those 2,560. About six hours after the first dump on 2 cores, most of it EAGLE-3. The benchmark decodes
+# with int8 draft heads (the target stays fp32).
 # Logs go to runs/*.log. Needs pip install -e ".[train,bench]".
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -61,6 +61,11 @@ accelerate launch --num_processes 1 train/eagle.py configs/eagle3_smollm2.yaml d
     "data.offline_dir=${STATES}_2560" "${MORE[@]}" "${COMMON[@]}" train.num_epochs=1 train.learning_rate=2e-4 \
     train.warmup_ratio=0.02 eagle.ttt_steps=5 eagle.init_from=runs/eagle3_smollm2_ttt5/head \
     train.output_dir=runs/eagle3_smollm2_2560 > runs/eagle3_smollm2_2560.log 2>&1
+# Two more EAGLE-3 epochs over the 2,560 chats at lr 1.5e-4, from that head.
+accelerate launch --num_processes 1 train/eagle.py configs/eagle3_smollm2.yaml data.hidden_states=offline \
+    "data.offline_dir=${STATES}_2560" "${MORE[@]}" "${COMMON[@]}" train.num_epochs=2 train.learning_rate=1.5e-4 \
+    train.warmup_ratio=0.02 eagle.ttt_steps=5 eagle.init_from=runs/eagle3_smollm2_2560/head \
+    train.output_dir=runs/eagle3_smollm2_2560e3 > runs/eagle3_smollm2_2560e3.log 2>&1
 # Medusa-1: three more epochs over the 2,560 chats, from the two-epoch heads.
 accelerate launch --num_processes 1 train/medusa.py configs/medusa1_smollm2.yaml data.hidden_states=offline \
     "data.offline_dir=${STATES}_2560" "${MORE[@]}" "${COMMON[@]}" train.num_epochs=3 train.learning_rate=5e-4 \
@@ -68,7 +73,7 @@ accelerate launch --num_processes 1 train/medusa.py configs/medusa1_smollm2.yaml
     > runs/medusa1_smollm2_e5.log 2>&1
 unset OMP_NUM_THREADS
 
-python scripts/bench.py --eagle3 runs/eagle3_smollm2_2560/head --eagle1 runs/eagle1_smollm2/head \
+python scripts/bench.py --eagle3 runs/eagle3_smollm2_2560e3/head --eagle1 runs/eagle1_smollm2/head \
     --medusa1 runs/medusa1_smollm2_e5/head --medusa2 runs/medusa2_smollm2 --prompts 5 --max-new-tokens 64 \
-    --temperatures 0 1 --size-tree --eagle3-tree 6 4 14 --eagle3-tree 8 8 32 --medusa1-tree 32 --int8-draft \
-    --out results/bench_smollm2
+    --temperatures 0 1 --size-tree --eagle3-tree 6 4 14 --eagle3-tree 6 6 20 --eagle3-tree 8 8 32 \
+    --medusa1-tree 32 --int8-draft --out results/bench_smollm2

@@ -17,6 +17,7 @@ from decode.sizing import (
     interpolate,
     measure_propose_cost,
     measure_verify_cost,
+    monotone_costs,
     rank_acceptance,
     size_tree,
 )
@@ -149,3 +150,24 @@ def test_measured_costs_are_positive_and_grow(build_target, kind):
     assert len(times) == 2 and all(t > 0 for t in times)
     if kind == "eagle3":
         assert times[1] > times[0]  # EAGLE runs one draft step per level
+
+
+def test_verify_costs_are_timed_in_interleaved_rounds_and_made_monotone(build_target):
+    import copy
+
+    model = copy.deepcopy(build_target("llama"))
+    context = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(0))
+    seen = []
+    original = model.forward
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["input_ids"].shape[1])
+        return original(*args, **kwargs)
+
+    model.forward = spy
+    measure_verify_cost(model, context, [2, 6], repeats=3)
+    # prefill, then per round every size once (a warm-up pass and a timed pass): a slow spell hits all sizes
+    assert seen == [16] + [2, 2, 6, 6] * 3
+    # a measured outlier at n=8 (a noisy spell) is capped by the cheaper larger size: pad 8 tokens to 12
+    assert monotone_costs({1: 0.05, 4: 0.06, 8: 0.32, 12: 0.09, 16: 0.08}) == \
+        {1: 0.05, 4: 0.06, 8: 0.08, 12: 0.08, 16: 0.08}  # fmt: skip
