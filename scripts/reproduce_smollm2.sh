@@ -75,5 +75,5 @@ unset OMP_NUM_THREADS
 
 python scripts/bench.py --eagle3 runs/eagle3_smollm2_2560e3/head --eagle1 runs/eagle1_smollm2/head \
     --medusa1 runs/medusa1_smollm2_e5/head --medusa2 runs/medusa2_smollm2 --prompts 5 --max-new-tokens 64 \
-    --temperatures 0 1 --size-tree --eagle3-tree 6 4 14 --eagle3-tree 6 6 20 --eagle3-tree 8 8 32 \
+    --temperatures 0 1 --size-tree --eagle3-tree 6 6 20 --eagle3-tree 7 6 24 --eagle3-tree 8 8 32 \
     --medusa1-tree 32 --int8-draft --out results/bench_smollm2
