@@ -62,7 +62,7 @@ def accept_greedy(tree: DraftTree, target_logits: Tensor) -> tuple[list[int], in
     """
     tokens = tree.tokens.tolist()
     path, node = [0], 0
-    while True:  # argmax of the path's rows only: a full (N, V) argmax costs ~1 ms per 10 rows on a CPU
+    while True:  # argmax of the path's rows only (a full (33, 49152) argmax took ~4 ms on one CPU thread here)
         best = int(target_logits[node].argmax())
         nxt = next((c for c in tree.children[node] if tokens[c] == best), None)
         if nxt is None:

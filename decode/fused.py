@@ -77,7 +77,6 @@ class FusedEagleStep:
         self.layers = nn.ModuleDict({"qkv": _stack([attn.q_proj, attn.k_proj, attn.v_proj]),
                                      "gate_up": _stack([mlp.gate_proj, mlp.up_proj])})
         self.o_proj, self.down_proj, self.act = attn.o_proj, mlp.down_proj, mlp.act_fn
-        self.intermediate = mlp.gate_proj.weight().shape[0] if _is_int8(mlp.gate_proj) else mlp.gate_proj.out_features
         self.norms = {"post": layer.post_attention_layernorm}
         if self.eagle3:
             self.norms.update(embeds=layer.input_layernorm, hidden=layer.hidden_norm)
@@ -115,7 +114,7 @@ class FusedEagleStep:
         out = nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=attention_mask, scale=self.scale,
                                                          enable_gqa=self.kv_heads != self.num_heads)
         hidden = residual + self.o_proj(out.transpose(1, 2).reshape(batch, rows, self.q_size))
-        gate, up = self.layers["gate_up"](self._norm(self.norms["post"], hidden)).split(self.intermediate, dim=-1)
+        gate, up = self.layers["gate_up"](self._norm(self.norms["post"], hidden)).split(self.head.config.intermediate_size, dim=-1)
         return hidden + self.down_proj(self.act(gate) * up)
 
 
