@@ -83,7 +83,7 @@ def save_heads(head: Head, path: str | Path, *, base_model: str, base_revision: 
         config["base_model_type"] = text.model_type
         config["base_num_hidden_layers"] = text.num_hidden_layers
     config.update(extra or {})
-    state = {k: v.detach().contiguous().clone() for k, v in head.state_dict().items()}
+    state = {k: v.detach().cpu().contiguous().clone() for k, v in head.state_dict().items()}
     _atomic_write(path / WEIGHTS_NAME, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
     _atomic_write(path / CONFIG_NAME, lambda tmp: Path(tmp).write_text(json.dumps(config, indent=2) + "\n"))
     return path
@@ -138,14 +138,16 @@ def check_head_matches_target(config: dict, target, where: str = "head") -> None
 
 
 def load_heads(path: str | Path, target=None, *, dtype: torch.dtype | None = None,
-               device: str | torch.device = "cpu") -> Head:
+               device: str | torch.device | None = None) -> Head:
     """Load an export folder written by `save_heads`.
 
     Args:
         path: the folder.
-        target: the target model (or its config) the head will draft for; checked when given.
-        dtype: cast the floating-point weights (the d2t/t2d maps keep their dtypes).
-        device: where to put the head.
+        target: the target model (or its config) the head will draft for; checked when given. A model also
+            sets the defaults of `dtype` and `device`: the head follows the target's.
+        dtype: cast the floating-point weights (the d2t/t2d maps keep their dtypes); None = the target
+            model's dtype, else as saved.
+        device: where to put the head; None = the target model's device, else the CPU.
     Returns:
         The head, in eval mode.
     """
@@ -162,9 +164,12 @@ def load_heads(path: str | Path, target=None, *, dtype: torch.dtype | None = Non
     except (SafetensorError, OSError) as err:
         raise ValueError(f"{weights}: corrupt or unreadable safetensors file ({err})") from err
     _load_state_strict(head, state, weights)
+    if isinstance(target, nn.Module):
+        dtype = dtype if dtype is not None else getattr(target, "dtype", None)
+        device = device if device is not None else getattr(target, "device", None)
     if dtype is not None:
         head.to(dtype=dtype)
-    return head.to(device).eval()
+    return head.to(device if device is not None else "cpu").eval()
 
 
 def _load_state_strict(head: nn.Module, state: dict, source: Path) -> None:

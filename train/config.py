@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
+import torch
 import yaml
 
 from heads.eagle import HEAD_TYPES
@@ -22,7 +23,8 @@ from heads.target import DEFAULT_TARGET
 
 T = TypeVar("T")
 
-DTYPES = ("float32", "bfloat16", "float16")
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = tuple(TORCH_DTYPES)
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
 HIDDEN_STATES = ("online", "offline")
 LR_SCHEDULERS = ("cosine", "linear", "constant")
@@ -54,7 +56,8 @@ def _require(condition: bool, message: str) -> None:
 class ModelConfig:
     target: str = DEFAULT_TARGET  # hub id or local folder of the frozen target; default SmolLM2-135M, offline
     revision: str | None = None   # hub commit or tag, recorded in exports; None = default branch
-    dtype: str = "float32"        # target weights; float32 on CPU (bf16 matmuls are slow there), bf16 on GPU
+    dtype: str = "float32"        # frozen target's weights; float32 on CPU (bf16 matmuls are slow there), bf16
+                                  # on GPU. Trainable weights (heads, LoRA) and Adam states are always float32
     attn_implementation: str = "eager"  # eager: multi-token CPU passes ~15% cheaper than sdpa (REFERENCE 6)
 
     def __post_init__(self) -> None:
@@ -104,7 +107,10 @@ class TrainConfig:
     eval_every_steps: int = 500    # optimizer steps between eval-loss passes; 0 = only at the end
     log_every_steps: int = 10      # optimizer steps between tracker logs (loss, lr, grad norm, per-head acc)
     report_to: str = "none"        # tracker for accelerator.log; "none" = console only (no network needed)
-    mixed_precision: str = "no"    # accelerate autocast; "no" on CPU, "bf16" on recent GPUs
+    mixed_precision: str = "no"    # compute under accelerate's autocast (weights stay fp32); "no" on CPU, "bf16"
+                                   # on recent GPUs (bf16 also runs on CPU); "fp16" needs CUDA (grad scaler)
+    gradient_checkpointing: bool = False  # Medusa-2: recompute the LoRA-adapted target's activations in
+                                          # backward (less memory, ~30% more compute); frozen passes keep none
     eval_tau_prompts: int = 0      # held-out prompts of the periodic simulated-tau eval; 0 = off
     eval_tau_new_tokens: int = 64  # new tokens per prompt in that eval (tau counts the bonus token)
 
@@ -173,12 +179,26 @@ class MedusaTrainConfig:
                  "heads_only_steps needs lora_r > 0 (Medusa-2)")
 
 
+def _check_precision(model: ModelConfig, train: TrainConfig) -> None:
+    """A target stored in half precision needs the matching autocast: the fp32 head's activations meet the
+    target's frozen embedding and lm_head, which only autocast reconciles."""
+    needed = {"bfloat16": "bf16", "float16": "fp16"}.get(model.dtype)
+    if needed is not None and train.mixed_precision != needed:
+        raise ValueError(f"model.dtype={model.dtype} needs train.mixed_precision={needed}, got "
+                         f"{train.mixed_precision!r}: the head trains in float32 and only autocast lets its "
+                         f"activations meet the {model.dtype} target's embedding and lm_head "
+                         f"(or set model.dtype=float32)")
+
+
 @dataclass(kw_only=True)
 class EagleRunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)  # frozen target; defaults: SmolLM2 on CPU
     data: DataConfig               # required section: train_files has no default
     eagle: EagleTrainConfig = field(default_factory=EagleTrainConfig)  # head and loss; defaults: EAGLE-3
     train: TrainConfig             # required section: output_dir has no default
+
+    def __post_init__(self) -> None:
+        _check_precision(self.model, self.train)
 
 
 @dataclass(kw_only=True)
@@ -187,6 +207,9 @@ class MedusaRunConfig:
     data: DataConfig               # required section: train_files has no default
     medusa: MedusaTrainConfig = field(default_factory=MedusaTrainConfig)  # heads and loss; defaults: Medusa-1
     train: TrainConfig             # required section: output_dir has no default
+
+    def __post_init__(self) -> None:
+        _check_precision(self.model, self.train)
 
 
 class _Loader(yaml.SafeLoader):

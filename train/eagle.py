@@ -2,10 +2,12 @@
 
     accelerate launch train/eagle.py configs/eagle3_smollm2.yaml [section.key=value ...]
 
-Every rank: load the frozen target and the data, build the head, then per step run the target (online
-hidden states, no grad), the head and its loss (TTT for EAGLE-3), and step the optimizer. The main process
-logs, evaluates, and writes the resume state (output_dir/state) and the head export (output_dir/head).
-Rerunning the same command resumes from the newest complete state.
+Every rank: load the frozen target (any dtype) and the data, build the head (float32: its weights and Adam
+states stay fp32; `train.mixed_precision` runs the compute under autocast), then per step run the target
+(online hidden states, no grad), the head and its loss (TTT for EAGLE-3), and step the optimizer. Every rank
+takes part in evaluation (eval loss; the head is gathered for the main process's simulated tau, also when
+ZeRO-3 or FSDP2 shard it) and in writing the resume state (output_dir/state) and the head export
+(output_dir/head, from the main process). Rerunning the same command resumes from the newest complete state.
 """
 
 from __future__ import annotations
@@ -14,34 +16,32 @@ import sys
 from pathlib import Path
 
 import torch
-from accelerate.utils import DistributedType, set_seed
+from accelerate.utils import set_seed
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from heads import EagleConfig, EagleHead, FeatureCapture
 from heads.io import load_heads
-from heads.target import load_target
-from train.checkpoint import export_head, save_state
+from train.checkpoint import export_head, gather_head, save_state
 from train.common import (
     StepLogger,
     backward_and_clip,
     check_finite,
     epoch_loader,
+    eval_loss,
     load_datasets,
+    load_frozen_target,
     make_accelerator,
     make_optimizer,
     simulated_tau,
     start_or_resume,
     steps_per_epoch,
     total_steps,
-    whole_on_every_rank,
 )
 from train.config import EagleRunConfig, EagleTrainConfig, load_config, to_dict
 from train.data import draft_vocab_from_frequencies, token_frequencies
 from train.losses import eagle1_loss, eagle3_ttt_loss
 from train.offline import offline_rows
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class EagleStep(nn.Module):
@@ -65,10 +65,11 @@ class EagleStep(nn.Module):
 
 
 def new_head(cfg: EagleTrainConfig, target: nn.Module, train_set) -> EagleHead:
-    """A fresh head sized from the target; EAGLE-3 gets its draft vocabulary from the training data.
-    With `cfg.init_from`, the exported head in that folder instead (checked against the target)."""
+    """A fresh float32 head sized from the target, on its device; EAGLE-3 gets its draft vocabulary from the
+    training data. With `cfg.init_from`, the exported head in that folder instead (checked against the
+    target). Float32 whatever the target's dtype: AdamW on bf16 weights would lose small late updates."""
     if cfg.init_from:
-        head = load_heads(cfg.init_from, target, dtype=target.dtype, device=target.device)
+        head = load_heads(cfg.init_from, target, dtype=torch.float32, device=target.device)
         if head.head_type != cfg.head_type:
             raise ValueError(f"eagle.init_from={cfg.init_from} holds a {head.head_type} head, but "
                              f"eagle.head_type is {cfg.head_type}")
@@ -85,7 +86,7 @@ def new_head(cfg: EagleTrainConfig, target: nn.Module, train_set) -> EagleHead:
             counts = token_frequencies(train_set, vocab)
             head.set_draft_vocab(draft_vocab_from_frequencies(counts, head.config.draft_vocab_size))
         head.init_lm_head_from_target(target.get_output_embeddings().weight)
-    return head.to(dtype=target.dtype, device=target.device)
+    return head.to(dtype=torch.float32, device=target.device)
 
 
 @torch.no_grad()
@@ -125,27 +126,6 @@ def logits_head(target: nn.Module, draft_rows: Tensor | None) -> nn.Module:
     return head
 
 
-@torch.no_grad()
-def eval_loss(step_module: nn.Module, target: nn.Module, capture: FeatureCapture, eval_set, cfg: EagleRunConfig,
-              pad_id: int, accelerator, max_batches: int = 20) -> float | None:
-    """Mean loss over (up to `max_batches` per rank of) the held-out set, averaged across ranks."""
-    if eval_set is None:
-        return None
-    loader = epoch_loader(eval_set, cfg.train, cfg.data, 0, pad_id, accelerator)
-    losses = []
-    step_module.eval()  # no feature noise
-    for i, batch in enumerate(loader):
-        if i >= max_batches:
-            break
-        features, logits = target_pass(target, capture, batch, draft_vocab_rows(
-            accelerator.unwrap_model(step_module).head, target))
-        losses.append(step_module(features, batch["input_ids"], logits, batch["loss_mask"])[0].detach())
-    step_module.train()
-    if not losses:
-        return None
-    return accelerator.gather(torch.stack(losses).mean()[None]).mean().item()
-
-
 def main(cfg: EagleRunConfig) -> None:
     accelerator = make_accelerator(cfg.train)
     set_seed(cfg.train.seed)
@@ -153,11 +133,8 @@ def main(cfg: EagleRunConfig) -> None:
     accelerator.print(f"EAGLE recipe: {cfg.eagle.head_type} on {cfg.model.target}, {accelerator.num_processes} "
                       f"process(es), {accelerator.distributed_type}")
 
-    # 1. frozen target + trainable head
-    with whole_on_every_rank(accelerator):  # frozen: replicated, never sharded (ZeRO-3 would partition it)
-        target, tokenizer = load_target(cfg.model.target, dtype=DTYPES[cfg.model.dtype],
-                                        attn_implementation=cfg.model.attn_implementation,
-                                        device=accelerator.device)
+    # 1. frozen target (replicated on every rank, never sharded) + trainable fp32 head
+    target, tokenizer = load_frozen_target(cfg.model, accelerator)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     # 2. data
@@ -190,7 +167,8 @@ def main(cfg: EagleRunConfig) -> None:
         for batch in loader:
             with accelerator.accumulate(step_module):
                 if collate_fn is None:
-                    features, logits = target_pass(target, capture, batch, draft_rows)
+                    with accelerator.autocast():  # the target computes in the run's precision too
+                        features, logits = target_pass(target, capture, batch, draft_rows)
                 else:
                     features, logits = batch["features"], batch["logits"]
                 loss, metrics = step_module(features, batch["input_ids"], logits, batch["loss_mask"])
@@ -221,20 +199,27 @@ def main(cfg: EagleRunConfig) -> None:
 
 
 def evaluate(accelerator, step_module, target, capture, eval_set, cfg: EagleRunConfig, pad_id: int, step: int):
-    """Held-out loss on every rank; simulated tau (a real greedy generate) on the main process."""
-    logs = {}
-    loss = eval_loss(step_module, target, capture, eval_set, cfg, pad_id, accelerator)
-    if loss is not None:
-        logs["eval_loss"] = loss
-    sharded = (accelerator.distributed_type == DistributedType.DEEPSPEED
-               and accelerator.state.deepspeed_plugin.zero_stage == 3)
-    if accelerator.is_main_process and not sharded:
-        capture.__exit__(None, None, None)  # generate installs its own capture
-        tau = simulated_tau(target, accelerator.unwrap_model(step_module).head, eval_set,
-                            cfg.train.eval_tau_prompts, cfg.train.eval_tau_new_tokens)
-        capture.__enter__()
-        if tau is not None:
-            logs["eval_tau"] = tau
+    """Held-out loss on every rank; simulated tau (a real greedy generate) on the main process, with a whole
+    copy of the head gathered from every rank (the head may be sharded: ZeRO-3, FSDP2)."""
+    head = accelerator.unwrap_model(step_module).head
+    draft_rows = draft_vocab_rows(head, target)
+
+    def loss_of(batch: dict) -> Tensor:
+        with accelerator.autocast():
+            features, logits = target_pass(target, capture, batch, draft_rows)
+        return step_module(features, batch["input_ids"], logits, batch["loss_mask"])[0]
+
+    step_module.eval()  # no feature noise
+    logs = {"eval_loss": eval_loss(accelerator, eval_set, cfg, pad_id, loss_of)}
+    step_module.train()
+    if eval_set is not None and cfg.train.eval_tau_prompts > 0:
+        whole = gather_head(accelerator, step_module)  # collective; None off the main process
+        if whole is not None:
+            capture.__exit__(None, None, None)  # generate installs its own capture
+            logs["eval_tau"] = simulated_tau(target, whole, eval_set, cfg.train.eval_tau_prompts,
+                                             cfg.train.eval_tau_new_tokens)
+            capture.__enter__()
+    logs = {k: v for k, v in logs.items() if v is not None}
     if logs:
         accelerator.print(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in logs.items()))
         accelerator.log(logs, step=step)

@@ -3,14 +3,18 @@ jointly after a heads-only stage), Cai et al. 2401.10774 section 2.2.
 
     accelerate launch train/medusa.py configs/medusa1_smollm2.yaml [section.key=value ...]
 
-Every rank: load the target (frozen; LoRA-wrapped with peft when medusa.lora_r > 0) and the data, build the
-heads from the target's lm_head, then per step run the target and the head losses and step the optimizer.
-The main process logs and writes the resume state (output_dir/state), the head export (output_dir/head) and,
-for Medusa-2, the LoRA adapter (output_dir/lora, safetensors): decode with the adapter merged into the target.
+Every rank: load the target (frozen, any dtype; LoRA-wrapped with peft when medusa.lora_r > 0) and the data,
+build float32 heads from the target's lm_head (trainable weights and Adam states stay fp32;
+`train.mixed_precision` runs the compute under autocast), then per step run the target and the head losses
+and step the optimizer. Every rank takes part in evaluation (eval loss; heads, and for Medusa-2 its LoRA
+weights, gathered for the main process's simulated tau) and in writing the resume state (output_dir/state),
+the head export (output_dir/head) and, for Medusa-2, the LoRA adapter (output_dir/lora, safetensors; decode
+with it merged into the target), which the main process writes from gathered weights.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -21,34 +25,36 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from heads import MedusaConfig, MedusaHeads, load_heads
-from heads.target import load_target
-from train.checkpoint import export_head, save_state
+from train.checkpoint import export_head, head_from_state, save_state
 from train.common import (
     StepLogger,
     backward_and_clip,
     check_finite,
     epoch_loader,
+    eval_loss,
     load_datasets,
+    load_frozen_target,
     make_accelerator,
     make_optimizer,
+    shards_trained_weights,
     simulated_tau,
     start_or_resume,
     steps_per_epoch,
     total_steps,
     whole_on_every_rank,
+    whole_parameters,
 )
 from train.config import MedusaRunConfig, MedusaTrainConfig, load_config, to_dict
 from train.losses import masked_mean, medusa_loss_from_hidden
 from train.offline import offline_rows
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class MedusaStep(nn.Module):
     """Heads (and, for Medusa-2, the LoRA-wrapped target) with the loss as one module for DDP / DeepSpeed.
 
     Medusa-1 keeps the frozen target outside the module tree; Medusa-2 registers it, since its LoRA weights
-    train. `lm_weight` switches the LM loss off during the heads-only stage.
+    train. `lm_weight` 0 is the heads-only stage: the LM loss is off and the LoRA weights get exact zero
+    gradients (DeepSpeed keeps its own gradient buffers, so dropping `.grad` afterwards would not hold them).
     """
 
     def __init__(self, heads: MedusaHeads, target: nn.Module, cfg: MedusaTrainConfig) -> None:
@@ -67,10 +73,14 @@ class MedusaStep(nn.Module):
                 lm_weight: float = 1.0, hidden: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
         """`hidden`: the target's final states from an offline dump (Medusa-1 only); None runs the target."""
         joint = self.cfg.lora_r > 0
-        if hidden is None or joint:
-            with torch.set_grad_enabled(joint and torch.is_grad_enabled()):
-                out = self.base(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
+        if joint:
+            out = self.base(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
             hidden = out.hidden_states[-1]  # after the final norm: what the lm_head (and decode capture) sees
+            if lm_weight == 0:  # heads-only stage: the heads learn, the LoRA weights see zero gradients
+                hidden = hidden.detach() + 0 * hidden
+        elif hidden is None:  # Medusa-1 online: the decoder only (its output is after the final norm); the
+            with torch.no_grad():  # full-vocabulary logits of the target are never read
+                hidden = self.base.get_decoder()(input_ids=input_ids, attention_mask=attention_mask)[0]
         lm_head = self.base.get_output_embeddings() if self.cfg.share_lm_head else None
         head_loss, metrics = medusa_loss_from_hidden(self.heads, hidden, input_ids, loss_mask,
                                                      decay=self.cfg.decay, lm_head=lm_head)
@@ -84,23 +94,27 @@ class MedusaStep(nn.Module):
 
 
 def frozen_or_lora_target(cfg: MedusaRunConfig, accelerator) -> tuple[nn.Module, object]:
-    """The target (frozen, replicated on every rank) and tokenizer; wrapped with trainable LoRA adapters for
-    Medusa-2 (then it is part of the trained module, which ZeRO-3 may shard)."""
-    if cfg.medusa.lora_r > 0:
-        target, tokenizer = load_target(cfg.model.target, dtype=DTYPES[cfg.model.dtype],
-                                        attn_implementation=cfg.model.attn_implementation, device=accelerator.device)
-    else:
-        with whole_on_every_rank(accelerator):
-            target, tokenizer = load_target(cfg.model.target, dtype=DTYPES[cfg.model.dtype],
-                                            attn_implementation=cfg.model.attn_implementation,
-                                            device=accelerator.device)
-    if cfg.medusa.lora_r > 0:
-        from peft import LoraConfig, get_peft_model
+    """The target (frozen, replicated on every rank) and tokenizer; wrapped with trainable float32 LoRA
+    adapters for Medusa-2 (then it is part of the trained module, which ZeRO-3 and FSDP2 may shard)."""
+    joint = cfg.medusa.lora_r > 0
+    target, tokenizer = load_frozen_target(cfg.model, accelerator, whole=not joint)
+    if joint:
+        from peft import get_peft_model
 
-        target = get_peft_model(target, LoraConfig(r=cfg.medusa.lora_r, lora_alpha=cfg.medusa.lora_alpha,
-                                                   lora_dropout=cfg.medusa.lora_dropout,
-                                                   target_modules=list(cfg.medusa.lora_target_modules)))
+        if cfg.train.gradient_checkpointing:  # non-reentrant: needs no input that requires grad
+            target.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            target.config.use_cache = False
+        # autocast_adapter_dtype (peft's default) keeps the adapters float32 on a bf16 target
+        target = get_peft_model(target, lora_config(cfg.medusa), autocast_adapter_dtype=True)
     return target, tokenizer
+
+
+def lora_config(cfg: MedusaTrainConfig):
+    """The peft LoraConfig of Medusa-2's adapters."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                      target_modules=list(cfg.lora_target_modules))
 
 
 def new_heads(cfg: MedusaTrainConfig, target: nn.Module) -> MedusaHeads:
@@ -110,7 +124,8 @@ def new_heads(cfg: MedusaTrainConfig, target: nn.Module) -> MedusaHeads:
     wanted = {"num_heads": cfg.num_heads, "num_layers": cfg.num_layers, "share_lm_head": cfg.share_lm_head}
     if not cfg.init_from:
         heads = MedusaHeads(MedusaConfig(text.hidden_size, text.vocab_size, **wanted))
-        heads.init_from_lm_head(target.get_output_embeddings().weight)
+        with whole_parameters([target.get_output_embeddings().weight]) as (weight,):
+            heads.init_from_lm_head(weight)
         return heads
     heads = load_heads(cfg.init_from, target.config)
     if not isinstance(heads, MedusaHeads):
@@ -132,14 +147,15 @@ def main(cfg: MedusaRunConfig) -> None:
     out = Path(cfg.train.output_dir)
     mode = f"Medusa-2 (LoRA r={cfg.medusa.lora_r})" if cfg.medusa.lora_r > 0 else "Medusa-1"
     accelerator.print(f"Medusa recipe: {mode}, {cfg.medusa.num_heads} heads on {cfg.model.target}, "
-                      f"{accelerator.num_processes} process(es)")
+                      f"{accelerator.num_processes} process(es), {accelerator.distributed_type}")
 
     # 1. target (frozen, or LoRA for Medusa-2) + trainable heads, projections initialised from its lm_head
     target, tokenizer = frozen_or_lora_target(cfg, accelerator)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     heads = new_heads(cfg.medusa, target)
-    heads.to(dtype=target.dtype, device=accelerator.device)
+    heads.to(dtype=torch.float32, device=accelerator.device)  # fp32 whatever the target: AdamW master weights
     step_module = MedusaStep(heads, target, cfg.medusa)
+    step_module.train()  # Medusa-2: the adapted target trains (LoRA dropout on); load_target returns eval mode
 
     # 2. data
     train_set, eval_set = load_datasets(cfg.data, tokenizer, accelerator)
@@ -160,6 +176,7 @@ def main(cfg: MedusaRunConfig) -> None:
 
     # 5. loop; final states from the target online, or from a dump (scripts/dump_hidden_states.py, Medusa-1)
     rows, collate_fn = offline_rows(cfg.data, train_set, pad_id, None, None)
+    eval_copy = {}  # Medusa-2 under ZeRO-3 / FSDP2: the main process's own adapted target for simulated tau
     export_kwargs = {"base_model": cfg.model.target, "base_revision": cfg.model.revision, "target": target}
     progress = tqdm(total=num_steps, initial=step, disable=not accelerator.is_main_process, desc="train")
     logger = StepLogger(accelerator, progress, cfg.train.log_every_steps)
@@ -173,9 +190,12 @@ def main(cfg: MedusaRunConfig) -> None:
                 loss, metrics = step_module(batch["input_ids"], batch["attention_mask"], batch["loss_mask"],
                                             lm_weight=0.0 if stage_one else 1.0, hidden=batch.get("last"))
                 check_finite(accelerator, loss, step, out)
-                # heads-only stage: LoRA weights do not move, and their gradients do not enter the clip norm
+                # heads-only stage: the LoRA gradients are exact zeros (MedusaStep); dropped, Adam skips them,
+                # and under DeepSpeed (which keeps its own copies) no weight decay may move them either
                 lora_idle = stage_one and len(optimizer.param_groups) > 1
                 idle = optimizer.param_groups[1]["params"] if lora_idle else None
+                if len(optimizer.param_groups) > 1:
+                    optimizer.param_groups[1]["weight_decay"] = 0.0 if lora_idle else cfg.train.weight_decay
                 grad_norm = backward_and_clip(accelerator, loss, step_module, cfg.train.max_grad_norm, idle)
                 optimizer.step()
                 optimizer.zero_grad()
@@ -186,7 +206,7 @@ def main(cfg: MedusaRunConfig) -> None:
             step += 1
             logger.step(step, step == num_steps, loss, scheduler.get_last_lr()[0], grad_norm, metrics)
             if (cfg.train.eval_every_steps and step % cfg.train.eval_every_steps == 0) or step == num_steps:
-                evaluate(accelerator, step_module, eval_set, cfg, step)
+                evaluate(accelerator, step_module, eval_set, cfg, pad_id, step, eval_copy)
             if cfg.train.save_every_steps and step % cfg.train.save_every_steps == 0 and step < num_steps:
                 save_state(accelerator, out, step, cfg.train.keep_checkpoints)
                 export(accelerator, step_module, out, cfg, step, export_kwargs)
@@ -200,30 +220,76 @@ def main(cfg: MedusaRunConfig) -> None:
 
 
 def export(accelerator, step_module, out: Path, cfg: MedusaRunConfig, step: int, export_kwargs: dict) -> Path:
-    """Head export, plus the LoRA adapter (safetensors) for Medusa-2."""
+    """Head export, plus the LoRA adapter (safetensors) for Medusa-2, both from weights gathered from every
+    rank (collective), so a sharded run (ZeRO-3, FSDP2) saves whole tensors."""
     extra = {"train_step": step, "training": to_dict(cfg)}
     if cfg.medusa.lora_r > 0:
         extra["lora_adapter"] = "../lora (merge into the target before decoding: the heads expect it)"
-    path = export_head(accelerator, step_module, out, attr="heads", **export_kwargs, extra=extra)
-    if cfg.medusa.lora_r > 0:
-        module = accelerator.unwrap_model(step_module)
-        accelerator.wait_for_everyone()
-        if accelerator.is_main_process:
-            module.target.save_pretrained(out / "lora", safe_serialization=True)
+    state = accelerator.get_state_dict(step_module)  # collective under ZeRO-3 and FSDP2
+    path = export_head(accelerator, step_module, out, attr="heads", state=state, **export_kwargs, extra=extra)
+    if cfg.medusa.lora_r > 0 and accelerator.is_main_process:
+        target = accelerator.unwrap_model(step_module).target
+        target.save_pretrained(out / "lora", safe_serialization=True, state_dict=_prefixed(state, "target."))
+    accelerator.wait_for_everyone()
     return path
 
 
+def _prefixed(state: dict, prefix: str) -> dict:
+    """The entries of `state` under `prefix`, with the prefix removed."""
+    return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+
+
 @torch.no_grad()
-def evaluate(accelerator, step_module, eval_set, cfg: MedusaRunConfig, step: int) -> None:
-    """Simulated tau of greedy decoding with the current heads on held-out prompts (main process)."""
-    if accelerator.is_main_process and cfg.medusa.lora_r == 0:
-        module = accelerator.unwrap_model(step_module)
-        tau = simulated_tau(module.base, module.heads, eval_set, cfg.train.eval_tau_prompts,
-                            cfg.train.eval_tau_new_tokens)
-        if tau is not None:
-            accelerator.print(f"step {step}: eval_tau {tau:.3f}")
-            accelerator.log({"eval_tau": tau}, step=step)
+def evaluate(accelerator, step_module, eval_set, cfg: MedusaRunConfig, pad_id: int, step: int,
+             eval_copy: dict) -> None:
+    """Held-out loss on every rank (Medusa-2: LM + head loss, on its adapted target); simulated tau of greedy
+    decoding on the main process, with the heads gathered from every rank and, for Medusa-2, its
+    LoRA-adapted target (its own copy when ZeRO-3 or FSDP2 shard the run's)."""
+    def loss_of(batch: dict) -> Tensor:
+        return step_module(batch["input_ids"], batch["attention_mask"], batch["loss_mask"])[0]
+
+    step_module.eval()  # no LoRA dropout
+    logs = {"eval_loss": eval_loss(accelerator, eval_set, cfg, pad_id, loss_of)}
+    step_module.train()
+    if eval_set is not None and cfg.train.eval_tau_prompts > 0:
+        joint, sharded = cfg.medusa.lora_r > 0, shards_trained_weights(accelerator)
+        state = accelerator.get_state_dict(step_module)  # collective under ZeRO-3 and FSDP2
+        heads = head_from_state(accelerator, step_module, state, "heads")  # None off the main process
+        if heads is not None:
+            module = accelerator.unwrap_model(step_module)
+            if not joint:
+                target = module.base
+            elif not sharded:
+                target = module.target.get_base_model()  # LoRA layers active: the adapted target
+            else:
+                target = _adapted_copy(cfg, accelerator, eval_copy, _prefixed(state, "target."))
+            was_training = target.training
+            target.eval()
+            # The main process's own copy under ZeRO-3: outside it, peft and transformers would treat it as
+            # partitioned and start collectives that the other ranks never join
+            with whole_on_every_rank(accelerator) if sharded else contextlib.nullcontext():
+                logs["eval_tau"] = simulated_tau(target, heads, eval_set, cfg.train.eval_tau_prompts,
+                                                 cfg.train.eval_tau_new_tokens)
+            target.train(was_training)
+    logs = {k: v for k, v in logs.items() if v is not None}
+    if logs:
+        accelerator.print(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in logs.items()))
+        accelerator.log(logs, step=step)
     accelerator.wait_for_everyone()
+
+
+def _adapted_copy(cfg: MedusaRunConfig, accelerator, eval_copy: dict, state: dict) -> nn.Module:
+    """The main process's whole LoRA-adapted target with the gathered weights `state` (built once, then
+    refreshed): what a sharded Medusa-2 run evaluates on, since no rank holds the whole adapted target."""
+    with whole_on_every_rank(accelerator):  # ZeRO-3: peft would gather "partitioned" weights collectively
+        if "model" not in eval_copy:
+            from peft import get_peft_model
+
+            target, _ = load_frozen_target(cfg.model, accelerator)
+            eval_copy["model"] = get_peft_model(target, lora_config(cfg.medusa), autocast_adapter_dtype=True)
+        model = eval_copy["model"]
+        model.load_state_dict(state, strict=True)
+    return model.get_base_model()
 
 
 if __name__ == "__main__":

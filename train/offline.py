@@ -1,7 +1,8 @@
-"""Offline hidden states: run the frozen target once over the training data and store, per example, only
-what the head needs (its tapped features and the final hidden state, from which the target's logits are
-recomputed with its lm_head), as sharded safetensors. Training then reads shards instead of running the
-target (SpecForge/EAGLE "offline" mode): cheaper steps, at the cost of disk."""
+"""Offline hidden states: run the frozen target once over the training data (batched, the shards shared among
+the processes) and store, per example, only what the head needs (its tapped features and the final hidden
+state, from which the target's logits are recomputed with its lm_head), as sharded safetensors in the
+target's dtype. Training then reads shards instead of running the target (SpecForge/EAGLE "offline" mode):
+cheaper steps, at the cost of disk."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import os
 from pathlib import Path
 
 import torch
+from accelerate import Accelerator
 from datasets import Dataset
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -18,13 +20,15 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from heads.features import LAST, FeatureCapture
+from train.data import collate
 
 INDEX_FILE = "index.json"
 RESUME_KEYS = ("examples", "shard_size", "layer_ids", "hidden_size", "dtype", "target_digest")  # not the path
 
 
 def estimate_bytes(dataset: Dataset, layer_ids: tuple[int, ...], hidden_size: int, dtype: torch.dtype) -> int:
-    """Bytes the dump of `dataset` will take: tokens x (taps + final state) x H x element size (+ ids, masks)."""
+    """Bytes the dump of `dataset` will take: tokens x (taps + final state) x H x element size (+ ids,
+    masks)."""
     tokens = sum(len(ids) for ids in dataset["input_ids"])
     width = (len(layer_ids) + (LAST not in layer_ids)) * hidden_size
     return tokens * (width * torch.tensor([], dtype=dtype).element_size() + 8 + 1)
@@ -32,48 +36,98 @@ def estimate_bytes(dataset: Dataset, layer_ids: tuple[int, ...], hidden_size: in
 
 @torch.no_grad()
 def dump_hidden_states(target: nn.Module, dataset: Dataset, layer_ids: tuple[int, ...], out_dir: str | Path,
-                       shard_size: int = 32, dtype: torch.dtype = torch.float32) -> Path:
-    """Write `out_dir/shard-NNNNN.safetensors` (per example i: `ids.i`, `mask.i`, `features.i`, `last.i`) and
-    `index.json`; prints the size before writing. Finished shards are kept on rerun (resumable)."""
+                       shard_size: int = 32, dtype: torch.dtype | None = None, batch_size: int = 8,
+                       accelerator: Accelerator | None = None) -> Path:
+    """Write `out_dir/shard-NNNNN.safetensors` (per example i: `ids.i`, `mask.i`, `features.i`, `last.i`, each
+    unpadded) and `index.json`; prints the size before writing. Finished shards are kept on rerun (resumable).
+
+    The layout depends only on `shard_size`, never on the number of processes: shard n holds examples
+    [n * shard_size, (n + 1) * shard_size). Under `accelerator`, process r writes every num_processes-th of
+    the shards still missing, starting at the r-th, and checks as many of those already on disk (a resumed
+    dump stays balanced). So a dump by N processes is the same dump as a 1-process one (bit for bit at one
+    thread per process: each shard runs the same batches), and a dump stopped under N processes resumes
+    under M.
+
+    Args:
+        target: the frozen target.
+        dataset: the tokenised training set (input_ids, loss_mask), in the order training reads it.
+        layer_ids: the taps the head reads (output-of-layer ids, or `LAST`).
+        out_dir: where the shards and index.json go (created).
+        shard_size: examples per shard; part of the layout, so a resume must use the same.
+        dtype: what the states are stored in; None = the target's parameter dtype.
+        batch_size: examples per target forward (right-padded; a shard's examples run longest first).
+        accelerator: splits the shards among its processes; None = this process writes them all.
+    Returns:
+        `out_dir` as a Path, once every process has finished and index.json says "complete".
+    Raises:
+        ValueError: `out_dir` holds a dump written with other settings, or shards of other data.
+    """
+    if batch_size < 1 or shard_size < 1:
+        raise ValueError(f"batch_size {batch_size} and shard_size {shard_size} must both be at least 1")
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
+    dtype = dtype or next(target.parameters()).dtype
     hidden = target.config.get_text_config().hidden_size
     index = {"examples": len(dataset), "shard_size": shard_size, "layer_ids": list(layer_ids),
              "shards": [f"shard-{n:05d}.safetensors" for n in range(-(-len(dataset) // shard_size))],
              "hidden_size": hidden, "dtype": str(dtype).removeprefix("torch."),
              "target": getattr(target.config, "_name_or_path", None), "target_digest": weights_digest(target)}
-    if (out / INDEX_FILE).is_file():  # resuming: the kept shards must come from the same target, taps and data
-        old = json.loads((out / INDEX_FILE).read_text())
+    on_disk = [(out / name).is_file() for name in index["shards"]]  # read by all before any rank writes one
+    if (out / INDEX_FILE).is_file():  # resuming: kept shards must come from the same target, taps and data
+        old = json.loads((out / INDEX_FILE).read_text())  # every rank checks (all raise alike, none waits)
         changed = [f"{key} {old[key]!r} -> {index[key]!r}" for key in RESUME_KEYS  # keys an older index lacks
                    if key in old and old[key] != index[key]]  # are not compared (their shards still are)
         if changed:
             raise ValueError(f"{out} holds a dump written with other settings ({'; '.join(changed)}); "
                              f"write this one into an empty folder")
-    size = estimate_bytes(dataset, layer_ids, hidden, dtype)
-    print(f"offline hidden states: {len(dataset)} examples, {size / 2**20:.1f} MiB to write into {out}", flush=True)
-    _write_index(out, {**index, "complete": False})  # a killed dump is recognised, and resumed, as such
+    _barrier(accelerator)  # every rank has read the old index before the main process replaces it
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        size = estimate_bytes(dataset, layer_ids, hidden, dtype)
+        print(f"offline hidden states: {len(dataset)} examples, {size / 2**20:.1f} MiB to write into {out} "
+              f"({world} process(es), {batch_size} per forward)", flush=True)
+        _write_index(out, {**index, "complete": False})  # a killed dump is recognised, and resumed, as such
+    _barrier(accelerator)
     taps = tuple(layer_ids) + (() if LAST in layer_ids else (LAST,))
+    shards = list(enumerate(index["shards"]))
+    to_check = [shard for shard, done in zip(shards, on_disk) if done][rank::world]
+    to_write = [shard for shard, done in zip(shards, on_disk) if not done][rank::world]
+    for number, name in to_check:  # written by an earlier run, under any number of processes
+        _check_shard(out / name, dataset, _shard_examples(number, shard_size, len(dataset)))
+    decoder = target.get_decoder()  # without the lm_head: the logits (B, T, V) are recomputed when training
     with FeatureCapture(target, taps) as capture:
-        for number, name in enumerate(tqdm(index["shards"], desc="dump")):
+        for number, name in tqdm(to_write, desc="dump", disable=rank != 0):
             examples = _shard_examples(number, shard_size, len(dataset))
-            if (out / name).is_file():
-                _check_shard(out / name, dataset, examples)
-                continue
+            rows = {i: dataset[i] for i in examples}
+            order = sorted(examples, key=lambda i: -len(rows[i]["input_ids"]))  # longest first: less padding
             tensors = {}
-            for i in examples:
-                row = dataset[i]
-                ids = torch.tensor(row["input_ids"], dtype=torch.long, device=target.device)[None]
-                target(input_ids=ids)
-                states = capture.features()[0].to(dtype).cpu()                    # (T, len(taps) * H)
-                tensors[f"ids.{i}"] = ids[0].cpu()
-                tensors[f"mask.{i}"] = torch.tensor(row["loss_mask"], dtype=torch.int8)
-                tensors[f"features.{i}"] = states[:, : len(layer_ids) * hidden].contiguous()
-                tensors[f"last.{i}"] = states[:, -hidden:].contiguous()
+            for start in range(0, len(order), batch_size):
+                chunk = order[start:start + batch_size]
+                batch = collate([rows[i] for i in chunk], pad_token_id=0)  # right-padded
+                decoder(input_ids=batch["input_ids"].to(target.device),  # causal attention leaves the real
+                        attention_mask=batch["attention_mask"].to(target.device))  # tokens' states as alone
+                states = capture.features().to(dtype).cpu()                          # (B, T, len(taps) * H)
+                for b, i in enumerate(chunk):
+                    n = len(rows[i]["input_ids"])  # each example's own rows, without the padding
+                    tensors[f"ids.{i}"] = batch["input_ids"][b, :n].clone()
+                    tensors[f"mask.{i}"] = torch.tensor(rows[i]["loss_mask"], dtype=torch.int8)
+                    tensors[f"features.{i}"] = states[b, :n, : len(layer_ids) * hidden].clone()
+                    tensors[f"last.{i}"] = states[b, :n, -hidden:].clone()
             tmp = out / f".{name}.tmp"
             save_file(tensors, tmp)
             os.replace(tmp, out / name)
-    _write_index(out, {**index, "complete": True})
+    print(f"process {rank}/{world}: {len(to_write)} shard(s) written, {len(to_check)} kept", flush=True)
+    _barrier(accelerator)  # "complete" only once every rank's shards are on disk
+    if rank == 0:
+        _write_index(out, {**index, "complete": True})
+    _barrier(accelerator)
     return out
+
+
+def _barrier(accelerator: Accelerator | None) -> None:
+    """Wait for every process (no-op in a single process)."""
+    if accelerator is not None:
+        accelerator.wait_for_everyone()
 
 
 def _write_index(out: Path, index: dict) -> None:
@@ -105,15 +159,16 @@ def _check_shard(path: Path, dataset: Dataset, indices: range) -> None:
         keys = set(tensors.keys())
         for i in indices:
             if f"ids.{i}" not in keys:
-                raise ValueError(f"{path}: example {i} is missing; the dump was written from other data settings "
-                                 f"(write it again into an empty folder)")
+                raise ValueError(f"{path}: example {i} is missing; the dump was written from other data "
+                                 f"settings (write it again into an empty folder)")
             stored, expected = tensors.get_tensor(f"ids.{i}").tolist(), list(dataset[i]["input_ids"])
             if stored != expected:
-                where = next((t for t, (a, b) in enumerate(zip(stored, expected)) if a != b), min(len(stored),
-                                                                                                 len(expected)))
-                raise ValueError(f"{path}: example {i} holds other tokens than the training set's ({len(stored)} vs "
-                                 f"{len(expected)} tokens, first difference at token {where}); the dump was written "
-                                 f"from other data or settings: write it again into an empty folder")
+                where = next((t for t, (a, b) in enumerate(zip(stored, expected)) if a != b),
+                             min(len(stored), len(expected)))
+                raise ValueError(f"{path}: example {i} holds other tokens than the training set's "
+                                 f"({len(stored)} vs {len(expected)} tokens, first difference at token "
+                                 f"{where}); the dump was written from other data or settings: write it "
+                                 f"again into an empty folder")
 
 
 class OfflineStates:
@@ -133,8 +188,9 @@ class OfflineStates:
             raise ValueError(f"{self.root}: the dump was stopped before it finished; rerun "
                              f"scripts/dump_hidden_states.py with the same settings to complete it")
         self.features_are_last = layer_ids is not None and tuple(layer_ids) == (LAST,)
-        if layer_ids is not None and not self.features_are_last and tuple(self.index["layer_ids"]) != tuple(layer_ids):
-            raise ValueError(f"{self.root} holds taps {self.index['layer_ids']}, the head needs {list(layer_ids)}")
+        stored_taps = tuple(self.index["layer_ids"])
+        if layer_ids is not None and not self.features_are_last and stored_taps != tuple(layer_ids):
+            raise ValueError(f"{self.root} holds taps {list(stored_taps)}, the head needs {list(layer_ids)}")
 
     def __len__(self) -> int:
         return self.index["examples"]
@@ -142,10 +198,12 @@ class OfflineStates:
     def check_matches(self, dataset: Dataset) -> None:
         """Raise unless the dump holds `dataset`'s examples, token for token, in order."""
         if len(self) != len(dataset):
-            raise ValueError(f"{self.root} holds {len(self)} examples but the training set has {len(dataset)}: "
-                             f"rerun scripts/dump_hidden_states.py with this run's data settings")
+            raise ValueError(f"{self.root} holds {len(self)} examples but the training set has "
+                             f"{len(dataset)}: rerun scripts/dump_hidden_states.py with this run's data "
+                             f"settings")
         for number, name in enumerate(self.index["shards"]):
-            _check_shard(self.root / name, dataset, _shard_examples(number, self.index["shard_size"], len(dataset)))
+            examples = _shard_examples(number, self.index["shard_size"], len(dataset))
+            _check_shard(self.root / name, dataset, examples)
 
     def row(self, i: int) -> dict[str, Tensor]:
         shard = self.root / self.index["shards"][i // self.index["shard_size"]]
@@ -158,7 +216,12 @@ class OfflineStates:
               loss_masks: list[list[int]] | None = None) -> dict[str, Tensor]:
         """Right-padded batch with `features` (B, T, F) and the target's `logits` (B, T, V) from `last`;
         without `lm_head`, the final states themselves as `last` (B, T, H) instead of logits. `loss_masks`
-        (the training set's) replace the masks stored in the dump: a masking change needs no new dump."""
+        (the training set's) replace the masks stored in the dump: a masking change needs no new dump.
+
+        `features` and `last` come as float32 whatever the dump's dtype: they are the input of the trainable
+        head, which is float32 (autocast lowers it where a half-precision run enables it), so a bf16 dump also
+        trains a float32 run. `logits` come in the lm_head's dtype, as the online target pass gives them (the
+        losses read them in float32; a second float32 (B, T, V) copy is not worth holding)."""
         rows = [self.row(i) for i in indices]
         for row, mask in zip(rows, loss_masks or ()):
             row["mask"] = torch.tensor(mask, dtype=torch.int8)
@@ -166,8 +229,8 @@ class OfflineStates:
         out = {"input_ids": torch.full((len(rows), length), pad_id, dtype=torch.long),
                "attention_mask": torch.zeros(len(rows), length, dtype=torch.long),
                "loss_mask": torch.zeros(len(rows), length, dtype=torch.long)}
-        features = torch.zeros(len(rows), length, rows[0]["features"].shape[-1], dtype=rows[0]["features"].dtype)
-        last = torch.zeros(len(rows), length, rows[0]["last"].shape[-1], dtype=rows[0]["last"].dtype)
+        features = torch.zeros(len(rows), length, rows[0]["features"].shape[-1])          # (B, T, F) float32
+        last = torch.zeros(len(rows), length, rows[0]["last"].shape[-1])                  # (B, T, H) float32
         for b, r in enumerate(rows):
             n = r["ids"].numel()
             out["input_ids"][b, :n], out["attention_mask"][b, :n] = r["ids"], 1
@@ -177,26 +240,28 @@ class OfflineStates:
             out["last"] = last
             return out
         weight = lm_head.weight
-        with torch.no_grad():
+        with torch.no_grad():  # a bf16 dump read by a bf16 target: the bf16 -> float32 -> bf16 trip is exact
             logits = lm_head(last.to(device=weight.device, dtype=weight.dtype))
             if self.softcap:  # Gemma-2 style final logit soft-capping, as the target's forward applies it
                 logits = torch.tanh(logits / self.softcap) * self.softcap
             out["logits"] = logits
-        out["features"] = features.to(device=weight.device, dtype=weight.dtype)
+        out["features"] = features.to(weight.device)
         return out
 
 
 def offline_rows(data, train_set: Dataset, pad_id: int, layer_ids: tuple[int, ...] | None,
                  lm_head: nn.Module | None, softcap: float | None = None):
-    """(rows to shuffle and shard, collate_fn) for a recipe: the tokenised set itself online (collate_fn None);
-    offline, example indices into the dump of `data.offline_dir`, whose batches `OfflineStates.batch` builds.
+    """(rows to shuffle and shard, collate_fn) for a recipe: the tokenised set itself online (collate_fn
+    None); offline, example indices into the dump of `data.offline_dir`, whose batches `OfflineStates.batch`
+    builds.
 
     Args:
         data: the run's DataConfig (hidden_states, offline_dir).
         train_set: the tokenised training set the dump was written from (sizes must agree).
         pad_id: padding token id.
         layer_ids: taps the head needs (EAGLE), or None for the final state only (Medusa).
-        lm_head: the target's lm_head to recompute its logits (EAGLE), or None to pass the final states (Medusa).
+        lm_head: the target's lm_head to recompute its logits (EAGLE), or None to pass the final states
+            (Medusa).
         softcap: the target's final logit soft-capping, if any.
     """
     if data.hidden_states == "online":

@@ -1,5 +1,6 @@
 """Tests for heads/io.py: the export folder (config.json + model.safetensors), strict loading, target checks."""
 
+import copy
 import json
 import os
 import re
@@ -182,3 +183,17 @@ def test_bad_config_files_are_named(tmp_path, llama):
     config_file.unlink()
     with pytest.raises(FileNotFoundError, match=CONFIG_NAME):
         load_heads(path)
+
+
+@pytest.mark.parametrize("kind", HEAD_TYPES)
+def test_head_follows_the_target_dtype_and_device_unless_told(tmp_path, llama, kind):
+    _, path = _export(tmp_path, kind, llama)
+    bf16_target = copy.deepcopy(llama).to(torch.bfloat16)
+    follows = load_heads(path, bf16_target)
+    floats = {p.dtype for p in follows.parameters() if p.is_floating_point()}
+    assert floats == {torch.bfloat16} and {p.device for p in follows.parameters()} == {bf16_target.device}
+    assert {p.dtype for p in load_heads(path, bf16_target, dtype=torch.float32).parameters()} == {torch.float32}
+    meta = load_heads(path, bf16_target, device="meta")  # an explicit device wins over the target's
+    assert {p.device.type for p in meta.parameters()} == {"meta"}
+    saved = load_heads(path, bf16_target.config)  # a bare config carries no device or dtype: as saved, CPU
+    assert {p.dtype for p in saved.parameters() if p.is_floating_point()} == {torch.float32}

