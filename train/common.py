@@ -11,6 +11,7 @@ import math
 import os
 import statistics
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -69,6 +70,8 @@ def make_accelerator(train: TrainConfig) -> Accelerator:
         accelerator.state.distributed_type = DistributedType.FSDP  # see FSDP_ON_CPU_ENV: test-only
         PartialState().distributed_type = DistributedType.FSDP
         accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin()
+    if accelerator.distributed_type == DistributedType.FSDP and train.mixed_precision != "no":
+        _fsdp2_fp32_reduction(accelerator.state.fsdp_plugin, train.mixed_precision)
     elif fsdp_asked and accelerator.distributed_type != DistributedType.FSDP:
         accelerator.print(f"WARNING: the accelerate config asks for FSDP, but without a GPU accelerate runs "
                           f"{accelerator.distributed_type} instead: nothing is sharded")
@@ -80,6 +83,73 @@ def make_accelerator(train: TrainConfig) -> Accelerator:
         ds["train_batch_size"] = (train.per_device_batch_size * train.gradient_accumulation_steps
                                   * accelerator.num_processes)
     return accelerator
+
+
+def _fsdp2_fp32_reduction(plugin: FullyShardedDataParallelPlugin, mixed_precision: str) -> None:
+    """FSDP2 computes in half precision (sharded fp32 weights gathered as bf16/fp16) but reduce-scatters and
+    accumulates gradients in fp32, as DDP does; accelerate's default policy would do both in half precision."""
+    if plugin.fsdp_version != 2:
+        return
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}[mixed_precision]
+    plugin.mixed_precision_policy = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32)
+
+
+def shard_fsdp2_units(accelerator: Accelerator, module: nn.Module,
+                      called_by_method: tuple[nn.Module, ...] = ()) -> list[str]:
+    """Under FSDP2 with size-based wrapping, give each submodule over `fsdp_min_num_params` its own shard unit,
+    before `accelerator.prepare` (which then shards only the root, holding the rest).
+
+    accelerate's own pass would also pick containers (an `nn.ModuleList` of heads or decoder layers: no
+    `forward`, which `fully_shard` refuses) and split a tied embedding / lm_head across two units (which torch
+    refuses). Here containers are skipped and a module holding a shared parameter stays in its parent's unit.
+    FSDP gathers a unit's weights in hooks around its `forward`, so modules used through other methods
+    (`called_by_method`: the heads, whose losses call `project_features`, `logits`, `head_logits`) never
+    become units themselves (their submodules, called as modules, may).
+
+    Returns:
+        The names of the submodules given a unit (none outside FSDP2 size-based wrapping).
+    """
+    if accelerator.distributed_type != DistributedType.FSDP:
+        return []
+    plugin = accelerator.state.fsdp_plugin
+    policy = getattr(plugin.auto_wrap_policy, "func", plugin.auto_wrap_policy)
+    if plugin.fsdp_version != 2 or getattr(policy, "__name__", None) != "size_based_auto_wrap_policy":
+        return []  # transformer-class wrapping (named classes) is accelerate's own and safe
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    uses = Counter(id(p) for _, p in module.named_parameters(remove_duplicate=False))
+    kwargs = {"reshard_after_forward": plugin.reshard_after_forward, "offload_policy": plugin.cpu_offload,
+              "mp_policy": plugin.mixed_precision_policy or MixedPrecisionPolicy()}
+    in_unit, names = set(), []
+    for name, sub in reversed(list(module.named_modules())[1:]):  # children before their parents
+        params = list(sub.parameters())
+        if (type(sub).forward is nn.Module.forward or isinstance(sub, FSDPModule)
+                or any(sub is m for m in called_by_method) or any(uses[id(p)] > 1 for p in params)):
+            continue
+        if sum(p.numel() for p in params if id(p) not in in_unit) > plugin.min_num_params:
+            fully_shard(sub, **kwargs)
+            in_unit |= {id(p) for p in sub.parameters()}  # the sharded parameters replace the old ones
+            names.append(name)
+    plugin.auto_wrap_policy = None  # done: accelerate shards the root alone
+    accelerator.print(f"FSDP2: {len(names)} shard unit(s) over {plugin.min_num_params} parameters "
+                      f"({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}) plus the root")
+    return names
+
+
+def check_deepspeed_precision(accelerator: Accelerator, model: ModelConfig) -> None:
+    """Under DeepSpeed, bf16/fp16 means the engine casts the trained module to that dtype and runs no autocast,
+    so the frozen target (its embedding, its lm_head) must be stored in the same dtype.
+
+    Raises:
+        ValueError: DeepSpeed with half precision and a target of another dtype.
+    """
+    half = {"bf16": "bfloat16", "fp16": "float16"}.get(accelerator.mixed_precision)
+    if accelerator.distributed_type == DistributedType.DEEPSPEED and half and model.dtype != half:
+        raise ValueError(f"under DeepSpeed, train.mixed_precision={accelerator.mixed_precision} casts the head to "
+                         f"{half} with no autocast, so the frozen target must be {half} too: set "
+                         f"model.dtype={half} (got {model.dtype})")
 
 
 def shards_trained_weights(accelerator: Accelerator) -> bool:

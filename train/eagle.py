@@ -26,6 +26,7 @@ from train.checkpoint import export_head, gather_head, save_state
 from train.common import (
     StepLogger,
     backward_and_clip,
+    check_deepspeed_precision,
     check_finite,
     epoch_loader,
     eval_loss,
@@ -33,6 +34,7 @@ from train.common import (
     load_frozen_target,
     make_accelerator,
     make_optimizer,
+    shard_fsdp2_units,
     simulated_tau,
     start_or_resume,
     steps_per_epoch,
@@ -56,12 +58,22 @@ class EagleStep(nn.Module):
     def forward(self, features: Tensor, input_ids: Tensor, target_logits: Tensor,
                 loss_mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         embed, lm_head = self._frozen
+        features = _as_head_input(features, self.head)
         if self.head.head_type == "eagle1":
             return eagle1_loss(self.head, features, input_ids, target_logits, loss_mask, embed, lm_head,
                                noise_width=self.cfg.noise_width if self.training else 0.0, feature_weight=self.cfg.feature_loss_weight,
                                ce_weight=self.cfg.ce_loss_weight)
         return eagle3_ttt_loss(self.head, features, input_ids, target_logits, loss_mask, embed,
                                ttt_steps=self.cfg.ttt_steps, decay=self.cfg.ttt_decay)
+
+
+def _as_head_input(features: Tensor, head: nn.Module) -> Tensor:
+    """Features in the head's dtype where no autocast does it: under DeepSpeed with bf16 the engine holds the
+    head in bf16 and runs no autocast, while offline dumps hand over fp32 features."""
+    dtype = next(head.parameters()).dtype
+    if features.dtype == dtype or torch.is_autocast_enabled(features.device.type):
+        return features
+    return features.to(dtype)
 
 
 def new_head(cfg: EagleTrainConfig, target: nn.Module, train_set) -> EagleHead:
@@ -128,6 +140,7 @@ def logits_head(target: nn.Module, draft_rows: Tensor | None) -> nn.Module:
 
 def main(cfg: EagleRunConfig) -> None:
     accelerator = make_accelerator(cfg.train)
+    check_deepspeed_precision(accelerator, cfg.model)
     set_seed(cfg.train.seed)
     out = Path(cfg.train.output_dir)
     accelerator.print(f"EAGLE recipe: {cfg.eagle.head_type} on {cfg.model.target}, {accelerator.num_processes} "
@@ -141,6 +154,8 @@ def main(cfg: EagleRunConfig) -> None:
     train_set, eval_set = load_datasets(cfg.data, tokenizer, accelerator)
     head = new_head(cfg.eagle, target, train_set)
     step_module = EagleStep(head, cfg.eagle, target.get_input_embeddings(), target.get_output_embeddings())
+    # FSDP2: the shard units accelerate's own wrapping gets wrong, made before AdamW sees the parameters
+    shard_fsdp2_units(accelerator, step_module, called_by_method=(head,))
 
     # 3. optimizer and schedule (in optimizer steps)
     per_epoch = steps_per_epoch(train_set, cfg.train, accelerator.num_processes)

@@ -29,6 +29,7 @@ from train.checkpoint import export_head, head_from_state, save_state
 from train.common import (
     StepLogger,
     backward_and_clip,
+    check_deepspeed_precision,
     check_finite,
     epoch_loader,
     eval_loss,
@@ -36,6 +37,7 @@ from train.common import (
     load_frozen_target,
     make_accelerator,
     make_optimizer,
+    shard_fsdp2_units,
     shards_trained_weights,
     simulated_tau,
     start_or_resume,
@@ -78,6 +80,8 @@ class MedusaStep(nn.Module):
             hidden = out.hidden_states[-1]  # after the final norm: what the lm_head (and decode capture) sees
             if lm_weight == 0:  # heads-only stage: the heads learn, the LoRA weights see zero gradients
                 hidden = hidden.detach() + 0 * hidden
+        elif hidden is not None and not torch.is_autocast_enabled(hidden.device.type):
+            hidden = hidden.to(next(self.heads.parameters()).dtype)  # offline fp32 states, DeepSpeed bf16 heads
         elif hidden is None:  # Medusa-1 online: the decoder only (its output is after the final norm); the
             with torch.no_grad():  # full-vocabulary logits of the target are never read
                 hidden = self.base.get_decoder()(input_ids=input_ids, attention_mask=attention_mask)[0]
@@ -143,6 +147,7 @@ def main(cfg: MedusaRunConfig) -> None:
                          "which changes its hidden states, so it must run the target online (medusa.lora_r=0 or "
                          "data.hidden_states=online)")
     accelerator = make_accelerator(cfg.train)
+    check_deepspeed_precision(accelerator, cfg.model)
     set_seed(cfg.train.seed)
     out = Path(cfg.train.output_dir)
     mode = f"Medusa-2 (LoRA r={cfg.medusa.lora_r})" if cfg.medusa.lora_r > 0 else "Medusa-1"
@@ -156,6 +161,8 @@ def main(cfg: MedusaRunConfig) -> None:
     heads.to(dtype=torch.float32, device=accelerator.device)  # fp32 whatever the target: AdamW master weights
     step_module = MedusaStep(heads, target, cfg.medusa)
     step_module.train()  # Medusa-2: the adapted target trains (LoRA dropout on); load_target returns eval mode
+    # FSDP2: the shard units accelerate's own wrapping gets wrong, made before AdamW sees the parameters
+    shard_fsdp2_units(accelerator, step_module, called_by_method=(heads,))
 
     # 2. data
     train_set, eval_set = load_datasets(cfg.data, tokenizer, accelerator)
@@ -191,7 +198,8 @@ def main(cfg: MedusaRunConfig) -> None:
                                             lm_weight=0.0 if stage_one else 1.0, hidden=batch.get("last"))
                 check_finite(accelerator, loss, step, out)
                 # heads-only stage: the LoRA gradients are exact zeros (MedusaStep); dropped, Adam skips them,
-                # and under DeepSpeed (which keeps its own copies) no weight decay may move them either
+                # and under DeepSpeed (which keeps its own copies) no weight decay may move them either.
+                # DeepSpeed's Adam still counts these steps for LoRA (bias correction differs later; docs/gpu.md)
                 lora_idle = stage_one and len(optimizer.param_groups) > 1
                 idle = optimizer.param_groups[1]["params"] if lora_idle else None
                 if len(optimizer.param_groups) > 1:

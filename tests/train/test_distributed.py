@@ -104,6 +104,14 @@ def test_deepspeed_zero_trains_exports_and_matches_ddp(stage, ddp, tmp_path, two
         assert max_difference(weights(out / "rank0.safetensors"), weights(out / "rank1.safetensors")) == 0.0
 
 
+def fsdp2_command(cli, args: list[str]) -> list[str]:
+    """configs/accelerate/fsdp2.yaml with a wrapping threshold the tiny head crosses, so that parts of it get
+    shard units of their own (the real threshold, 1e8 parameters, would leave one unit: the root)."""
+    command = cli.command("train/eagle.py", args, accelerate_config="fsdp2.yaml")
+    at = command.index("--config_file") + 2
+    return command[:at] + ["--fsdp_min_num_params", "2000"] + command[at:]
+
+
 def test_fsdp2_shards_the_head_trains_evaluates_resumes_and_matches_ddp(ddp, tmp_path, two_rank_args,
                                                                         cli, monkeypatch):
     """configs/accelerate/fsdp2.yaml as GPU users launch it, on 2 CPU processes. accelerate does not pick FSDP
@@ -115,9 +123,9 @@ def test_fsdp2_shards_the_head_trains_evaluates_resumes_and_matches_ddp(ddp, tmp
     monkeypatch.setenv(FSDP_ON_CPU_ENV, "1")  # the subprocesses inherit it
     out = tmp_path / "fsdp2"
     args = two_rank_args(out, "train.save_every_steps=2", "train.keep_checkpoints=2", evaluate=True)
-    log = cli.run(cli.command("train/eagle.py", args, accelerate_config="fsdp2.yaml"), tmp_path / "log.txt",
-                  timeout=600)
+    log = cli.run(fsdp2_command(cli, args), tmp_path / "log.txt", timeout=600)
     assert "2 process(es), DistributedType.FSDP" in log
+    assert "FSDP2: 7 shard unit(s) over 2000 parameters (head.lm_head, head.midlayer.mlp.down_proj" in log
     assert_evaluated(log)
     state = latest_state(out)
     assert json.loads((state / PROGRESS_FILE).read_text())["step"] == 3
@@ -129,7 +137,30 @@ def test_fsdp2_shards_the_head_trains_evaluates_resumes_and_matches_ddp(ddp, tmp
     resumed = tmp_path / "resumed"
     shutil.copytree(out, resumed, ignore=shutil.ignore_patterns("step-3", "head"))
     args = two_rank_args(resumed, "train.save_every_steps=2", "train.keep_checkpoints=2", evaluate=True)
-    log = cli.run(cli.command("train/eagle.py", args, accelerate_config="fsdp2.yaml"), tmp_path / "log2.txt",
-                  timeout=600)
+    log = cli.run(fsdp2_command(cli, args), tmp_path / "log2.txt", timeout=600)
     assert "resumed from" in log and "at step 2/3" in log
     assert max_difference(weights(resumed), weights(out)) < ATOL
+
+
+def test_deepspeed_bf16_trains_online_and_from_an_offline_dump(tmp_path, two_rank_args, cli):
+    """Under DeepSpeed, bf16 means the engine holds the head in bf16 and runs no autocast: the recipe must hand
+    it bf16 inputs, online (a bf16 target) and offline (the dump reader gives float32 features)."""
+    bf16 = ["train.mixed_precision=bf16", "model.dtype=bfloat16"]
+    online = tmp_path / "online"
+    log = cli.run(cli.command("train/eagle.py", two_rank_args(online, *bf16, evaluate=True),
+                              accelerate_config="deepspeed_zero2.yaml"), tmp_path / "online.txt", timeout=600)
+    assert "2 process(es), DistributedType.DEEPSPEED" in log
+    assert_evaluated(log)
+    states = tmp_path / "states"
+    dump = two_rank_args(tmp_path / "unused", *bf16, f"data.offline_dir='{states}'")
+    cli.run(cli.command("scripts/dump_hidden_states.py", [*dump, "--shard-size", "8"]), tmp_path / "dump.txt", 300)
+    offline = tmp_path / "offline"
+    args = two_rank_args(offline, *bf16, "data.hidden_states=offline", f"data.offline_dir='{states}'")
+    cli.run(cli.command("train/eagle.py", args, accelerate_config="deepspeed_zero2.yaml"),
+            tmp_path / "offline.txt", timeout=600)
+    for run in (online, offline):
+        state = weights(run)
+        assert json.loads((run / "head" / "config.json").read_text())["train_step"] == 3
+        assert all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point())
+    # the same batches in the same order: online and offline heads end close (bf16 rounding apart)
+    assert max_difference(weights(online), weights(offline)) < 1e-2

@@ -27,6 +27,7 @@ ONE_RANK = [*COMMON, "train.per_device_batch_size=2"]
 TWO_RANKS = [*COMMON, "train.per_device_batch_size=1", "train.eval_tau_prompts=1", "train.eval_every_steps=1"]
 HEADS_ONLY = ["medusa.heads_only_steps=3"]  # the whole run is the heads-only stage
 ATOL = 1e-5
+FSDP_UNIT_PARAMS = 5000
 
 
 def run_in_process(args: list[str]) -> None:
@@ -63,6 +64,10 @@ def single(tmp_path_factory, overrides, uniform_chats) -> Path:
 def launch(cli, overrides, uniform_chats, out: Path, accelerate_config: str, *extra: str) -> str:
     args = overrides(out, *TWO_RANKS, f"data.eval_files=['{uniform_chats}']", *extra, train_file=uniform_chats)
     command = cli.command("train/medusa.py", args, accelerate_config=accelerate_config)
+    if accelerate_config == "fsdp2.yaml":  # a threshold the tiny model crosses, so units are really made: each
+        # decoder layer and lm_head inside ModuleLists, and a tied embedding / lm_head that must stay together
+        at = command.index("--config_file") + 2
+        command[at:at] = ["--fsdp_min_num_params", str(FSDP_UNIT_PARAMS)]
     return cli.run(command, out.parent / f"{out.name}.log", timeout=300)  # a hung rank fails here
 
 
@@ -81,6 +86,8 @@ def test_medusa2_heads_and_lora_match_one_process(accelerate_config, distributed
     out = tmp_path / "run"
     log = launch(cli, overrides, uniform_chats, out, accelerate_config)
     assert f"2 process(es), DistributedType.{distributed_type}" in log
+    if accelerate_config == "fsdp2.yaml":
+        assert "FSDP2: 6 shard unit(s) over 5000 parameters" in log, log[-3000:]
     assert len([line for line in log.splitlines() if "eval_loss" in line and "eval_tau" in line]) == 3, log[-3000:]
     heads, lora = heads_and_lora(out)
     expected_heads, expected_lora = heads_and_lora(single)

@@ -5,18 +5,21 @@ float32 run's on the same batches. Combinations that cannot work are refused bef
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import ClassVar
 
 import pytest
 import torch
 from accelerate.state import AcceleratorState, GradientState
+from accelerate.utils import DistributedType
 from safetensors.torch import load_file
 
 import train.common
 import train.eagle
 import train.medusa
 from train.checkpoint import latest_state
-from train.config import ConfigError, EagleRunConfig, MedusaRunConfig, load_config
+from train.common import check_deepspeed_precision
+from train.config import ConfigError, EagleRunConfig, MedusaRunConfig, ModelConfig, load_config
 
 TINY_YAML = Path(__file__).resolve().parents[2] / "configs" / "tiny_test.yaml"
 
@@ -124,3 +127,33 @@ def test_fp16_without_cuda_is_refused_before_any_model_loads(tmp_path, overrides
     finally:
         _reset_accelerate()
     assert not loaded
+
+
+@pytest.mark.parametrize("distributed_type, precision, dtype, refused", [
+    ("DEEPSPEED", "bf16", "float32", True),    # the engine's bf16 head would meet a float32 embedding / lm_head
+    ("DEEPSPEED", "bf16", "bfloat16", False),
+    ("DEEPSPEED", "no", "float32", False),
+    ("MULTI_CPU", "bf16", "float32", False),   # autocast reconciles them there
+])
+def test_deepspeed_half_precision_needs_a_target_of_that_dtype(distributed_type, precision, dtype, refused):
+    accelerator = SimpleNamespace(distributed_type=DistributedType[distributed_type], mixed_precision=precision)
+    model = ModelConfig(dtype=dtype)
+    if refused:
+        with pytest.raises(ValueError, match=f"under DeepSpeed, train.mixed_precision={precision} casts the head"):
+            check_deepspeed_precision(accelerator, model)
+    else:
+        check_deepspeed_precision(accelerator, model)
+
+
+def test_fsdp2_reduces_gradients_in_fp32_under_bf16():
+    """accelerate's FSDP2 policy for bf16 would reduce-scatter (and accumulate) gradients in bf16 too."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from train.common import _fsdp2_fp32_reduction
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+    plugin.set_mixed_precision("bf16")  # what accelerate does when it builds an FSDP run with bf16
+    assert plugin.mixed_precision_policy.reduce_dtype == torch.bfloat16
+    _fsdp2_fp32_reduction(plugin, "bf16")
+    policy = plugin.mixed_precision_policy
+    assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
