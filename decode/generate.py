@@ -14,15 +14,21 @@ import torch
 from torch import Tensor, nn
 from transformers import DynamicCache
 
-from decode.accept import accept_greedy, accept_sampling, accept_typical, target_probs
-from decode.propose import Drafter, make_drafter, propose
+from decode.accept import accept_greedy, accept_sampling, accept_typical, sample, target_probs
+from decode.propose import Drafter, float_dtype, make_drafter, propose
+from decode.timing import synchronize
 from decode.tree import DEFAULT_MEDUSA_TREE, DEFAULT_TREES, DynamicTree, TreeBuffers, build_tree
 from decode.verify import compact_cache, verify
 from heads.eagle import EagleHead
 from heads.features import FeatureCapture
 from heads.medusa import MedusaHeads
 
+# Default trees by the target's device. On a CPU the verify cost grows with the tree (REFERENCE section 6), so
+# the defaults there are small and measured on this project's 2-core CPU; on a GPU a verify pass costs about
+# the same for a few dozen tokens, and the defaults are the sizes the papers decode with.
 DEFAULT_EAGLE_TREE = DynamicTree(depth=5, top_k=4, total_tokens=12)  # sized for a 2-core CPU
+GPU_EAGLE_TREE = DynamicTree(depth=6, top_k=10, total_tokens=60)     # EAGLE-2's GPU setting
+GPU_MEDUSA_TREE = "tree16"  # the largest tree in DEFAULT_TREES (the Medusa paper's GPU trees have ~64 nodes)
 
 
 @dataclass
@@ -54,14 +60,24 @@ class GenerateOutput:
         return rates
 
 
-def resolve_tree(heads: nn.Module | None, tree) -> TreeBuffers | DynamicTree | None:
-    """The tree `generate` decodes with for these heads and `tree` argument (None for plain decoding)."""
+def default_tree(heads: nn.Module, device: torch.device | str) -> DynamicTree | list[tuple[int, ...]]:
+    """The tree `generate` uses for `heads` when none is given: GPU-sized when the target is on CUDA
+    (`GPU_EAGLE_TREE`, `GPU_MEDUSA_TREE`), CPU-sized elsewhere (`DEFAULT_EAGLE_TREE`, `DEFAULT_MEDUSA_TREE`);
+    a Medusa tree is cut to the depth the heads can draft."""
+    cuda = torch.device(device).type == "cuda"
+    if isinstance(heads, (EagleHead, Drafter)):
+        return GPU_EAGLE_TREE if cuda else DEFAULT_EAGLE_TREE
+    name = GPU_MEDUSA_TREE if cuda else DEFAULT_MEDUSA_TREE
+    return [p for p in DEFAULT_TREES[name] if len(p) <= heads.config.num_heads]
+
+
+def resolve_tree(heads: nn.Module | None, tree,
+                 device: torch.device | str = "cpu") -> TreeBuffers | DynamicTree | None:  # fmt: skip
+    """The tree `generate` decodes with for these heads, `tree` argument and target device (None: plain)."""
     if heads is None:
         return None
-    if tree is None and isinstance(heads, (EagleHead, Drafter)):
-        tree = DEFAULT_EAGLE_TREE
-    elif tree is None:  # the default Medusa tree, cut to the depth the heads can draft
-        tree = [p for p in DEFAULT_TREES[DEFAULT_MEDUSA_TREE] if len(p) <= heads.config.num_heads]
+    if tree is None:
+        tree = default_tree(heads, device)
     if isinstance(tree, str):
         if tree not in DEFAULT_TREES:
             raise ValueError(f"unknown tree name {tree!r}; known: {sorted(DEFAULT_TREES)}")
@@ -87,6 +103,23 @@ def _check_heads(heads: nn.Module, model: nn.Module) -> None:
     for layer in getattr(hc, "aux_layer_ids", None) or ():
         if not 0 <= layer < config.num_hidden_layers:
             raise ValueError(f"heads tap layer {layer}, but this target has {config.num_hidden_layers} layers")
+    _check_placement(heads, model)
+
+
+def _check_placement(heads: nn.Module, model: nn.Module) -> None:
+    """Heads must sit on the target's device, their floating-point weights in its dtype. Integer tensors (d2t,
+    t2d) and int8 layers (`decode.layout.quantize_draft`, whose kept fp32 parts match an fp32 target) are
+    judged by the floating-point parameters that remain; heads with none are judged by device only."""
+    tensors = [*heads.parameters(), *heads.buffers()]
+    devices = {t.device for t in tensors}
+    floats = {p.dtype for p in heads.parameters() if p.is_floating_point()}
+    wrong_device = any(d != model.device for d in devices)
+    if wrong_device or (floats and floats != {model.dtype}):
+        where = "/".join(sorted(str(d) for d in devices)) or "cpu"
+        dtype = float_dtype(heads) if len(floats) <= 1 else "/".join(sorted(str(f) for f in floats))
+        raise ValueError(f"heads are on {where} / {str(dtype).removeprefix('torch.')} but the target is on "
+                         f"{model.device} / {str(model.dtype).removeprefix('torch.')}; load them with "
+                         "load_heads(path, target=model, dtype=model.dtype, device=model.device)")
 
 
 def _eos_set(model: nn.Module, eos_token_id) -> set[int]:
@@ -112,13 +145,23 @@ def generate(model: nn.Module, input_ids: Tensor, heads: nn.Module | None = None
         temperature: 0 is greedy; > 0 samples from the target distribution.
         top_p: nucleus filter of the target distribution (sampling only).
         top_k: top-k filter of the target distribution (sampling only; 0 = off).
-        tree: static tree (rank paths, a name in DEFAULT_TREES, or TreeBuffers) or a DynamicTree;
-            None = DEFAULT_EAGLE_TREE for EAGLE heads, DEFAULT_TREES[DEFAULT_MEDUSA_TREE] for Medusa.
+        tree: static tree (rank paths, a name in DEFAULT_TREES, or TreeBuffers) or a DynamicTree; None = the
+            default for the target's device (`default_tree`): on CUDA the GPU sizes of the papers,
+            GPU_EAGLE_TREE (EAGLE-2's depth 6, top_k 10, 60 tokens) for EAGLE heads and
+            DEFAULT_TREES[GPU_MEDUSA_TREE] for Medusa; elsewhere the sizes measured on a 2-core CPU,
+            DEFAULT_EAGLE_TREE (depth 5, top_k 4, 12 tokens) and DEFAULT_TREES[DEFAULT_MEDUSA_TREE].
         seed: seeds the sampling and draft draws.
         eos_token_id: stop token(s); None = the model's generation_config.
         acceptance: "lossless" (default) or "typical" (Medusa typical acceptance; LOSSY, sampling only).
     Returns:
         GenerateOutput with sequences and stats (tau counts the bonus token).
+    Raises:
+        ValueError: bad arguments, or heads that do not fit the target (sizes, tapped layers, or a device or
+            floating dtype other than the target's; the message names both).
+
+    A decoding step queues its device work (drafting, the tree mask and positions, verification, acceptance,
+    cache compaction) without waiting for it, and reads back one small tensor: the accepted path and the
+    tokens it emits (tests/decode/test_host_syncs.py counts the host round trips per step).
     """
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
@@ -138,31 +181,31 @@ def generate(model: nn.Module, input_ids: Tensor, heads: nn.Module | None = None
         raise ValueError(f"acceptance must be 'lossless' or 'typical' (lossy), got {acceptance!r}")
     if acceptance == "typical" and temperature == 0:
         raise ValueError("typical acceptance applies to sampling (temperature > 0); greedy is exact already")
-    drafter = make_drafter(heads, model) if heads is not None else None
-    if heads is not None and not isinstance(heads, Drafter):
+    if isinstance(heads, (MedusaHeads, EagleHead)):  # before any work with them (a Drafter is taken as it is)
         _check_heads(heads, model)
-    tree_spec = resolve_tree(heads, tree)
-    generator = torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None
+    drafter = make_drafter(heads, model) if heads is not None else None
+    device = model.device
+    tree_spec = resolve_tree(heads, tree, device)
+    generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
     eos = _eos_set(model, eos_token_id)
     vocab_size = model.get_output_embeddings().weight.shape[0]
 
-    def next_token(logits: Tensor) -> int:
-        if temperature == 0:
-            return int(logits.argmax())
-        return int(torch.multinomial(target_probs(logits, temperature, top_p, top_k), 1, generator=generator))
-
+    synchronize(device)
     start = time.perf_counter()
-    device = model.device
     prompt = input_ids.to(device)
     cache = DynamicCache(config=model.config)
     capture = FeatureCapture(model, drafter.feature_layers) if drafter is not None else None
     with capture if capture is not None else contextlib.nullcontext():
         out = model(input_ids=prompt, cache=cache, use_cache=True, logits_to_keep=1)
-        root = next_token(out.logits[0, -1])
-        generated = [root]
+        last = out.logits[0, -1]
+        if temperature == 0:
+            root = last.argmax().view(1)                                          # (1,) on the device
+        else:
+            root = sample(target_probs(last, temperature, top_p, top_k), generator).view(1)
+        generated = [int(root)]
         past = prompt.shape[1]
-        if drafter is not None and not (root in eos or max_new_tokens == 1):  # else no step follows
-            drafter.advance(capture.features()[0], torch.cat([prompt[0, 1:], torch.tensor([root], device=device)]))
+        if drafter is not None and not (generated[0] in eos or max_new_tokens == 1):  # else no step follows
+            drafter.advance(capture.features()[0], torch.cat([prompt[0, 1:], root]))
         steps, per_depth, per_rank, offered, drafted = 0, [], [], [], 0
         while not (eos.intersection(generated[-1:]) or len(generated) >= max_new_tokens):
             draft = propose(drafter, root, tree_spec, temperature=temperature, generator=generator,
@@ -174,27 +217,36 @@ def generate(model: nn.Module, input_ids: Tensor, heads: nn.Module | None = None
                 path, bonus = accept_typical(draft, logits, temperature, generator)
             else:
                 path, bonus = accept_sampling(draft, logits, temperature, top_p, top_k, generator)
+            # The step's one device-to-host transfer: the accepted path, the bonus token, and the tree's
+            # tokens, parents and ranks (for the statistics). Everything before it stayed on the device.
+            host = torch.cat([path, bonus.view(1), draft.tokens, draft.parents, draft.ranks]).tolist()
+            size, nodes = path.numel(), len(draft)
+            keep = [node for node in host[:size] if node >= 0]
+            tokens = host[size + 1 : size + 1 + nodes]
+            parents, ranks = host[size + 1 + nodes : size + 1 + 2 * nodes], host[size + 1 + 2 * nodes :]
             steps += 1
-            drafted += len(draft) - 1
-            _count_offered(draft, path, offered)
-            for depth in range(1, len(path)):
+            drafted += nodes - 1
+            _count_offered(parents, ranks, keep, offered)
+            for depth in range(1, len(keep)):
                 if len(per_depth) < depth:
                     per_depth.append(0)
                     per_rank.append([])
                 per_depth[depth - 1] += 1
-                rank = int(draft.ranks[path[depth]])
+                rank = ranks[keep[depth]]
                 per_rank[depth - 1] += [0] * (rank + 1 - len(per_rank[depth - 1]))
                 per_rank[depth - 1][rank] += 1
-            compact_cache(cache, past, path)
-            past += len(path)
-            new = [int(draft.tokens[i]) for i in path[1:]] + [bonus]
+            kept = path[: len(keep)]  # the accepted nodes as a device index: no upload
+            compact_cache(cache, past, keep, kept)
+            past += len(keep)
+            new = [tokens[i] for i in keep[1:]] + [host[size]]
             generated += new
-            root = bonus
+            root = bonus.view(1)
             if eos.intersection(new) or len(generated) >= max_new_tokens:  # an EOS inside the path ends it too
                 break  # the drafter needs no more input (nor the tokens after an EOS)
             if drafter is not None:
-                drafter.advance(features[path], torch.tensor(new, device=device))
+                drafter.advance(features.index_select(0, kept), torch.cat([draft.tokens[kept[1:]], root]))
     generated = _truncate(generated, eos, max_new_tokens)
+    synchronize(device)
     seconds = time.perf_counter() - start
     emitted_by_steps = len(generated) - 1
     new_ids = torch.tensor([generated], dtype=input_ids.dtype, device=input_ids.device)
@@ -206,10 +258,10 @@ def generate(model: nn.Module, input_ids: Tensor, heads: nn.Module | None = None
     )
 
 
-def _count_offered(draft, path: list[int], offered: list[list[int]]) -> None:
+def _count_offered(parents: list[int], ranks: list[int], path: list[int], offered: list[list[int]]) -> None:
     """Add, per depth and rank, the children that the accepted path's nodes (root included) offered."""
     on_path = {node: depth for depth, node in enumerate(path)}
-    for node, (parent, rank) in enumerate(zip(draft.parents.tolist(), draft.ranks.tolist())):
+    for node, (parent, rank) in enumerate(zip(parents, ranks)):
         if node and parent in on_path:
             depth = on_path[parent]  # the child sits at depth + 1: row `depth` of the table
             while len(offered) <= depth:

@@ -138,7 +138,7 @@ def pack_for_tree(target: nn.Module, heads: nn.Module | None, tree) -> None:
     from decode.generate import resolve_tree
     from decode.tree import verify_rows
 
-    tree = resolve_tree(heads, tree)
+    tree = resolve_tree(heads, tree, target.device)
     pack_linears(target, None if tree is None else verify_rows(tree))
     if isinstance(heads, nn.Module):
         pack_linears(heads, head_rows(heads, tree))

@@ -29,6 +29,7 @@ from transformers import DynamicCache
 from decode.generate import GenerateOutput, generate
 from decode.layout import can_pack, head_rows, is_pretransposed, pack_linears, packed_rows
 from decode.propose import make_drafter, propose
+from decode.timing import synchronize
 from decode.tree import DraftTree, DynamicTree, TreeBuffers, build_tree
 from decode.verify import verify
 from heads.eagle import EagleHead
@@ -170,12 +171,15 @@ def size_tree(
     return sorted(candidates, key=lambda c: -c.tokens_per_second)
 
 
-def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
+def _median_seconds(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
+    """Median wall time of `fn` after a warm-up call, each call timed between `synchronize(device)` calls."""
     fn()  # warm-up
     times = []
     for _ in range(repeats):
+        synchronize(device)
         start = time.perf_counter()
         fn()
+        synchronize(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -202,13 +206,15 @@ def measure_verify_cost(
             if pack:  # a pretransposed target decodes packed for its tree (`pack_for_tree`): measure n that way
                 pack_linears(model, n if n >= 2 else None)
             tokens = torch.randint(0, model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(n))
-            tree = DraftTree(tokens=tokens, parents=torch.arange(-1, n - 1), ranks=torch.zeros(n, dtype=torch.long))
+            device = model.device  # the tree is made there, untimed: no upload inside the timer
+            tree = DraftTree(tokens=tokens.to(device), parents=torch.arange(-1, n - 1, device=device),
+                             ranks=torch.zeros(n, dtype=torch.long, device=device))
 
             def run(tree: DraftTree = tree, n: int = n) -> None:
                 verify(model, cache, tree, past)
                 cache.crop(-n)  # transformers 5.x: drop the n positions just verified
 
-            times[n].append(_median_seconds(run, 1))
+            times[n].append(_median_seconds(run, 1, model.device))
     if pack:
         pack_linears(model, before)
     return monotone_costs({n: statistics.median(t) for n, t in times.items()})
@@ -235,8 +241,8 @@ def measure_propose_cost(model: nn.Module, heads: nn.Module, context: torch.Tens
     with capture:
         out = model(input_ids=context, use_cache=False, logits_to_keep=1)
         features = capture.features()[0]
-    root = int(out.logits[0, -1].argmax())
-    tokens = torch.cat([context[0, 1:], torch.tensor([root], device=context.device)])
+    root = out.logits[0, -1].argmax().view(1)  # on the device, as `generate` passes it
+    tokens = torch.cat([context[0, 1:], root])
     keep = min(advance_tokens, tokens.numel())
     drafter.advance(features[:-keep], tokens[:-keep])
     vocab = model.get_output_embeddings().weight.shape[0]
@@ -248,7 +254,7 @@ def measure_propose_cost(model: nn.Module, heads: nn.Module, context: torch.Tens
     def measure(tree) -> float:
         if pack:  # packed as `pack_for_tree` packs it for this tree
             pack_linears(heads, head_rows(heads, tree))
-        return _median_seconds(lambda: step(tree), repeats)
+        return _median_seconds(lambda: step(tree), repeats, model.device)
 
     pack = isinstance(heads, EagleHead) and is_pretransposed(heads) and can_pack()
     before = packed_rows(heads)

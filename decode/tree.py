@@ -7,6 +7,7 @@ Everything here is pure; the drafters in `decode/propose.py` fill trees with tok
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -167,22 +168,48 @@ def select_nodes(scores: Sequence[float], parents: Sequence[int], budget: int) -
 
 @dataclass
 class DraftTree:
-    """One proposal: tokens of a tree rooted at the target's last token, plus what acceptance needs."""
+    """One proposal: tokens of a tree rooted at the target's last token, plus what verification and acceptance
+    need. `decode.propose` fills every field with tensors on the target's device and host-known sizes, so a
+    decoding step reads nothing back from the device until acceptance; a tree built by hand (tests, cost
+    measurements) gives `tokens`, `parents` and `ranks` only and gets the rest derived here, on the host."""
 
     tokens: Tensor        # (N,) int64 target-vocabulary ids; tokens[0] is the root
     parents: Tensor       # (N,) int64, parents[0] = -1; parents precede children
     ranks: Tensor         # (N,) int64 order in which siblings were drawn (0 first)
     q_rows: Tensor | None = None   # (N,) int64 row of `q_table` holding the draft distribution a node's
     q_table: Tensor | None = None  # children were drawn from (-1 if it has none); (M, V) fp32, sampling only
+    depths: Tensor | None = None     # (N,) int64 depth of each node (root 0)
+    ancestors: Tensor | None = None  # (N, N) bool, [i, j]: j is i or an ancestor of i (the verify mask)
+    max_depth: int | None = None     # no node is deeper (a bound known on the host: sizes acceptance's loops)
+    max_children: int | None = None  # ranks are below it (a bound known on the host)
 
     def __post_init__(self) -> None:
-        self.depths = node_depths(self.parents)
-        kids: list[list[int]] = [[] for _ in range(self.tokens.numel())]
+        if any(x is None for x in (self.depths, self.ancestors, self.max_depth, self.max_children)):
+            depths = node_depths(self.parents)
+            self.depths = depths.to(self.parents.device) if self.depths is None else self.depths
+            if self.ancestors is None:
+                self.ancestors = ancestor_mask(self.parents).to(self.parents.device)
+            self.max_depth = int(depths.max()) if self.max_depth is None else self.max_depth
+            if self.max_children is None:
+                self.max_children = int(self.ranks[1:].max()) + 1 if len(self) > 1 else 0
+
+    @functools.cached_property
+    def children(self) -> list[list[int]]:
+        """children[i]: node i's children by rank (host lists: one read of `parents` and `ranks`)."""
+        kids: list[list[int]] = [[] for _ in range(len(self))]
         for node, parent in enumerate(self.parents.tolist()):
             if parent >= 0:
                 kids[parent].append(node)
         ranks = self.ranks.tolist()
-        self.children = [sorted(k, key=lambda c: ranks[c]) for k in kids]
+        return [sorted(k, key=lambda c: ranks[c]) for k in kids]
+
+    def child_table(self) -> Tensor:
+        """(N, max_children) int64 on the tree's device: [i, r] is node i's rank-r child, -1 where none."""
+        n = len(self)
+        table = torch.full((n, max(self.max_children, 1)), -1, dtype=torch.long, device=self.parents.device)
+        if n > 1:
+            table[self.parents[1:], self.ranks[1:]] = torch.arange(1, n, device=self.parents.device)
+        return table[:, : self.max_children]
 
     def __len__(self) -> int:
         return self.tokens.numel()

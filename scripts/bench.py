@@ -37,6 +37,7 @@ from decode import DEFAULT_TREES, DynamicTree, generate
 from decode.generate import DEFAULT_EAGLE_TREE
 from decode.layout import is_int8_draft, pack_for_tree, pretranspose_linears, quantize_draft
 from decode.sizing import Calibration, best_tree, calibrate
+from decode.timing import synchronize
 from decode.tree import tree_label
 from heads import load_heads
 from heads.target import DEFAULT_TARGET, load_target, merge_lora
@@ -140,9 +141,11 @@ def run_lookup(model, ids: torch.Tensor, max_new_tokens: int, temperature: float
         {"do_sample": False}  # fmt: skip
     counter = PassCounter()
     torch.manual_seed(seed)
+    synchronize(model.device)  # CUDA runs asynchronously: time finished work only (`generate` does the same)
     start = time.perf_counter()
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                          prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS, streamer=counter, **sampling)  # fmt: skip
+    synchronize(model.device)
     seconds = time.perf_counter() - start
     passes = counter.puts[1:]  # tokens emitted per forward: prefill first, then one entry per verify pass
     per_depth: list[int] = []
@@ -156,6 +159,7 @@ def run_lookup(model, ids: torch.Tensor, max_new_tokens: int, temperature: float
 
 
 def run_ours(model, ids: torch.Tensor, method: Method, max_new_tokens: int, temperature: float, seed: int) -> dict:
+    """`decode.generate`; its `seconds` are timed between device synchronisations."""
     pack_for_tree(model, method.heads, method.tree)  # untimed: only pretransposed modules are packed
     out = generate(model, ids, method.heads, max_new_tokens=max_new_tokens, temperature=temperature,
                    tree=method.tree, seed=seed)  # fmt: skip

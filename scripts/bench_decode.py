@@ -20,6 +20,7 @@ import transformers
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
 
 from decode import generate
+from decode.timing import synchronize
 from decode.tree import DraftTree
 from decode.verify import verify
 from heads.target import DEFAULT_TARGET, load_target
@@ -81,14 +82,20 @@ def _check_same(ours: torch.Tensor, theirs: torch.Tensor, prompt_length: int, ma
 
 
 class _ForwardClock:
-    """Wall time inside `model.forward` (hooks): a generate call = model time + loop overhead."""
+    """Wall time inside `model.forward` (hooks): a generate call = model time + loop overhead. On CUDA each
+    hook synchronizes first, so the forward's kernels count as model time (the waits add to both loops)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.seconds, self._start = 0.0, 0.0
-        self._hooks = [model.register_forward_pre_hook(lambda *_: setattr(self, "_start", time.perf_counter())),
+        self.seconds, self._start, self._device = 0.0, 0.0, model.device
+        self._hooks = [model.register_forward_pre_hook(lambda *_: self._begin()),
                        model.register_forward_hook(lambda *_: self._stop())]
 
+    def _begin(self) -> None:
+        synchronize(self._device)
+        self._start = time.perf_counter()
+
     def _stop(self) -> None:
+        synchronize(self._device)
         self.seconds += time.perf_counter() - self._start
 
     def remove(self) -> None:
@@ -109,8 +116,10 @@ def bench_plain(model, tokenizer, num_prompts: int, max_new_tokens: int,
             outputs = {}
             order = (("ours", _ours), ("theirs", _theirs))  # A B, B A, A B, ...: who goes first alternates
             for name, run in order if repeat % 2 == 0 else order[::-1]:
+                synchronize(model.device)
                 clock.seconds, start, start_cpu = 0.0, time.perf_counter(), time.process_time()
                 outputs[name] = run(model, ids, max_new_tokens)
+                synchronize(model.device)
                 if repeat:
                     wall[name].append(time.perf_counter() - start)
                     cpu[name].append(time.process_time() - start_cpu)
@@ -133,7 +142,7 @@ def bench_plain(model, tokenizer, num_prompts: int, max_new_tokens: int,
     return rows, {key: statistics.median(values) for key, values in pairs.items()}
 
 
-def _random_tree(n: int, vocab_size: int, generator: torch.Generator) -> DraftTree:
+def _random_tree(n: int, vocab_size: int, generator: torch.Generator, device: torch.device) -> DraftTree:
     """A random tree of n nodes: node i's parent is drawn uniformly from nodes 0..i-1."""
     parents = [-1] + [int(torch.randint(0, i, (), generator=generator)) for i in range(1, n)]
     seen: dict[int, int] = {}
@@ -142,7 +151,8 @@ def _random_tree(n: int, vocab_size: int, generator: torch.Generator) -> DraftTr
         ranks.append(seen.get(parent, 0))
         seen[parent] = ranks[-1] + 1
     tokens = torch.randint(0, vocab_size, (n,), generator=generator)
-    return DraftTree(tokens=tokens, parents=torch.tensor(parents), ranks=torch.tensor(ranks))
+    return DraftTree(tokens=tokens.to(device), parents=torch.tensor(parents, device=device),
+                     ranks=torch.tensor(ranks, device=device))  # on the target's device: no upload when timed
 
 
 def bench_verify(model, tokenizer, repeats: int) -> list[dict]:
@@ -154,21 +164,25 @@ def bench_verify(model, tokenizer, repeats: int) -> list[dict]:
     model(input_ids=context, cache=cache, use_cache=True, logits_to_keep=1)
     past = context.shape[1]
     generator = torch.Generator().manual_seed(0)
-    trees = {n: _random_tree(n, vocab_size, generator) for n in VERIFY_SIZES}
+    trees = {n: _random_tree(n, vocab_size, generator, model.device) for n in VERIFY_SIZES}
     lm_head = model.get_output_embeddings()
     hidden = torch.randn(1, max(VERIFY_SIZES), model.config.hidden_size, generator=generator)
     verify_ms: dict[int, list[float]] = {n: [] for n in VERIFY_SIZES}
     head_ms: dict[int, list[float]] = {n: [] for n in VERIFY_SIZES}
     for repeat in range(repeats + 1):  # repeat 0 is the warm-up; sizes interleave so drift hits all alike
         for n in VERIFY_SIZES:
+            synchronize(model.device)
             start = time.perf_counter()
             logits, _ = verify(model, cache, trees[n], past)
+            synchronize(model.device)
             elapsed = time.perf_counter() - start
             cache.crop(-n)  # transformers 5.x crop takes the (negative) number of positions to drop
             if logits.shape != (n, vocab_size) or cache.get_seq_length() != past:
                 raise SystemExit(f"verify n={n}: logits {tuple(logits.shape)}, cache {cache.get_seq_length()}")
+            synchronize(model.device)
             start_head = time.perf_counter()
             lm_head(hidden[:, :n])
+            synchronize(model.device)
             if repeat:
                 verify_ms[n].append(1e3 * elapsed)
                 head_ms[n].append(1e3 * (time.perf_counter() - start_head))

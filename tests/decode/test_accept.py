@@ -23,6 +23,12 @@ def _tree(tokens, parents, ranks=None, q_rows=None, q_table=None) -> DraftTree:
     )
 
 
+def _lists(result: tuple[torch.Tensor, torch.Tensor]) -> tuple[list[int], int]:
+    """(path padded with -1, bonus) tensors as `generate` reads them: the path's nodes and the bonus token."""
+    path, bonus = result
+    return [node for node in path.tolist() if node >= 0], int(bonus)
+
+
 def _argmax_logits(best: list[int]) -> torch.Tensor:
     """(N, V) logits whose argmax after node i is best[i]."""
     logits = torch.randn(len(best), V, generator=torch.Generator().manual_seed(0))
@@ -43,7 +49,7 @@ CHAIN = {"tokens": [1, 2, 3, 4], "parents": [-1, 0, 1, 2]}  # root token 1, draf
     ],
 )
 def test_greedy_chain(best, path, bonus):
-    assert accept_greedy(_tree(**CHAIN), _argmax_logits(best)) == (path, bonus)
+    assert _lists(accept_greedy(_tree(**CHAIN), _argmax_logits(best))) == (path, bonus)
 
 
 # root 0 -> node 1 (token 5, rank 0), node 2 (token 7, rank 1); node 1 -> node 4 (11); node 2 -> node 3 (9)
@@ -60,7 +66,7 @@ BRANCHING = {"tokens": [0, 5, 7, 9, 11], "parents": [-1, 0, 0, 2, 1], "ranks": [
     ],
 )
 def test_greedy_branching(best, path, bonus):
-    assert accept_greedy(_tree(**BRANCHING), _argmax_logits(best)) == (path, bonus)
+    assert _lists(accept_greedy(_tree(**BRANCHING), _argmax_logits(best))) == (path, bonus)
 
 
 def test_target_probs_temperature():
@@ -118,7 +124,7 @@ def test_sampling_accepts_always_when_draft_equals_target():
             int(torch.multinomial(p[1], 1, generator=gen)),
         ]
         tree = _tree([0] + tokens, [-1, 0, 1], q_rows=[0, 1, -1], q_table=p[:2].clone())
-        path, bonus = accept_sampling(tree, logits, 0.9, 1.0, 0, gen)
+        path, bonus = _lists(accept_sampling(tree, logits, 0.9, 1.0, 0, gen))
         assert path == [0, 1, 2]
         assert 0 <= bonus < V
 
@@ -129,8 +135,8 @@ def test_sampling_rejects_zero_mass_tokens_and_samples_the_residual():
     q = torch.zeros(V)
     q[[0, 1]] = 0.5  # residual max(0, p - q) = 0.5 on token 2 only
     for seed in range(40):
-        path, bonus = accept_sampling(
-            _sampling_tree([0], q), logits, 1.0, 1.0, 0, torch.Generator().manual_seed(seed)
+        path, bonus = _lists(
+            accept_sampling(_sampling_tree([0], q), logits, 1.0, 1.0, 0, torch.Generator().manual_seed(seed))
         )
         assert (path, bonus) == ([0], 2)
 
@@ -142,9 +148,8 @@ def test_sampling_second_sibling_is_tested_against_the_residual():
     q[[0, 3]] = 0.5  # both siblings (0 then 3) have zero target mass
     bonuses = set()
     for seed in range(60):
-        path, bonus = accept_sampling(
-            _sampling_tree([0, 3], q), logits, 1.0, 1.0, 0, torch.Generator().manual_seed(seed)
-        )
+        generator = torch.Generator().manual_seed(seed)
+        path, bonus = _lists(accept_sampling(_sampling_tree([0, 3], q), logits, 1.0, 1.0, 0, generator))
         assert path == [0]
         bonuses.add(bonus)
     assert bonuses == {1, 2}  # sampled from normalize(max(0, p - q)) = p here, never 0 or 3
@@ -155,7 +160,8 @@ def test_sampling_accept_rate_matches_min_one_p_over_q():
     q = torch.zeros(V)
     q[[0, 1]] = torch.tensor([0.8, 0.2])  # draft token 0 accepted with p/q = 0.25
     gen = torch.Generator().manual_seed(0)
-    outcomes = [accept_sampling(_sampling_tree([0], q), logits, 1.0, 1.0, 0, gen) for _ in range(2000)]
+    tree = _sampling_tree([0], q)
+    outcomes = [_lists(accept_sampling(tree, logits, 1.0, 1.0, 0, gen)) for _ in range(2000)]
     accepted = sum(path == [0, 1] for path, _ in outcomes)
     assert 400 < accepted < 600  # 0.25 * 2000 = 500, 5 sigma ~ 97
     assert all(bonus == 1 for path, bonus in outcomes if path == [0])  # residual (0, 0.6) -> token 1 only

@@ -100,7 +100,7 @@ def _spy_on_compaction(monkeypatch) -> list[list[int]]:
     monkeypatch.setattr(
         generate_module,
         "compact_cache",
-        lambda cache, past, keep: (kept_paths.append(list(keep)), compact(cache, past, keep)),
+        lambda cache, past, keep, *index: (kept_paths.append(list(keep)), compact(cache, past, keep, *index)),
     )
     return kept_paths
 

@@ -5,7 +5,10 @@ import pytest
 import torch
 from torch import nn
 
-from decode import generate
+from decode import DEFAULT_TREES, DynamicTree, generate
+from decode.generate import DEFAULT_EAGLE_TREE, GPU_EAGLE_TREE, GPU_MEDUSA_TREE, default_tree, resolve_tree
+from decode.layout import can_int8, quantize_draft
+from decode.tree import DEFAULT_MEDUSA_TREE
 from heads.eagle import EagleConfig, EagleHead
 from heads.medusa import MedusaConfig, MedusaHeads
 
@@ -64,6 +67,17 @@ BAD_CALLS = {
         r"unknown tree name 'tree99'.*chain4",
     ),
     "tree of wrong type": ({"heads": lambda m: _medusa(), "tree": 7}, TypeError, "got int"),
+    "heads on another device": (
+        {"heads": lambda m: _medusa().to("meta")},
+        ValueError,
+        (r"heads are on meta / float32 but the target is on cpu / float32; load them with load_heads\(path, "
+         r"target=model, dtype=model.dtype, device=model.device\)"),
+    ),
+    "heads in another dtype": (
+        {"heads": lambda m: EagleHead(EagleConfig.from_target(m.config, "eagle3")).to(torch.bfloat16)},
+        ValueError,
+        "heads are on cpu / bfloat16 but the target is on cpu / float32",
+    ),
 }
 
 
@@ -81,3 +95,28 @@ def test_bad_input_raises(build_target, case):
 def test_wrong_heads_type_raises_type_error(build_target):
     with pytest.raises(TypeError, match="heads must be MedusaHeads or EagleHead"):
         generate(build_target("llama"), PROMPT, nn.Linear(32, 32), max_new_tokens=4)
+
+
+@pytest.mark.skipif(not can_int8(), reason="int8 drafts need fbgemm (x86) kernels")
+@pytest.mark.parametrize("kind", ["medusa", "eagle3"])
+def test_int8_drafts_fit_an_fp32_target(build_target, kind):
+    """int8 layers hold no floating parameters; the fp32 parts an int8 EAGLE head keeps (fc, norms) match."""
+    model = build_target("llama")
+    torch.manual_seed(0)
+    heads = _medusa() if kind == "medusa" else EagleHead(EagleConfig.from_target(model.config, "eagle3"))
+    out = generate(model, PROMPT, quantize_draft(heads.eval(), model), max_new_tokens=4)
+    assert out.new_tokens == 4
+
+
+def test_default_trees_follow_the_target_device(build_target):
+    """GPU-sized trees when the target is on CUDA (no GPU needed: only the device type is read)."""
+    eagle = EagleHead(EagleConfig.from_target(build_target("llama").config, "eagle1"))
+    assert default_tree(eagle, torch.device("cuda", 0)) == GPU_EAGLE_TREE == DynamicTree(6, 10, 60)
+    assert default_tree(eagle, "cpu") == DEFAULT_EAGLE_TREE == DynamicTree(5, 4, 12)
+    assert resolve_tree(eagle, None, "cuda:1") == GPU_EAGLE_TREE
+    medusa = _medusa(num_heads=6)
+    assert default_tree(medusa, "cuda") == DEFAULT_TREES[GPU_MEDUSA_TREE]  # the largest: 16 nodes, 6 deep
+    assert len(DEFAULT_TREES[GPU_MEDUSA_TREE]) == max(len(t) for t in DEFAULT_TREES.values())
+    assert default_tree(medusa, "cpu") == DEFAULT_TREES[DEFAULT_MEDUSA_TREE]
+    assert default_tree(_medusa(num_heads=3), "cuda") == [p for p in DEFAULT_TREES["tree16"] if len(p) <= 3]
+    assert len(resolve_tree(medusa, None, "cpu")) == len(DEFAULT_TREES[DEFAULT_MEDUSA_TREE]) + 1

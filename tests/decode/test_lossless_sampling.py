@@ -120,8 +120,9 @@ def _accept_with_unit_draft_probability(tree, target_logits, temperature, top_p,
                 break
             p = torch.clamp(p - q, min=0)
             p = p / p.sum() if p.sum() > 0 else target_probs(target_logits[node], temperature, top_p, top_k)
-        if accepted is None:
-            return path, int(torch.multinomial(p, 1, generator=generator).item())
+        if accepted is None:  # in the form `generate` reads: the path padded with -1, the bonus token
+            padded = torch.tensor(path + [-1] * (tree.max_depth + 1 - len(path)))
+            return padded, torch.multinomial(p, 1, generator=generator)[0]
         path.append(accepted)
         node = accepted
 
