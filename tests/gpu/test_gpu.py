@@ -121,7 +121,7 @@ def test_recipe_on_cuda_with_bf16_autocast_keeps_the_head_fp32(tmp_path, monkeyp
     state = out / "state" / "step-3"
     for weights in (load_file(out / "head" / "model.safetensors"), load_file(state / "model.safetensors")):
         assert {t.dtype for t in weights.values() if t.is_floating_point()} == {torch.float32}
-    optimizer = torch.load(state / "optimizer.bin", map_location="cpu", weights_only=False)
+    optimizer = torch.load(state / "optimizer.bin", map_location="cpu", weights_only=True)
     moments = [t for entry in optimizer["state"].values() for t in entry.values()
                if t.is_floating_point() and t.dim()]  # exp_avg, exp_avg_sq (not the 0-d step count)
     assert moments and {t.dtype for t in moments} == {torch.float32}

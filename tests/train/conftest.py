@@ -71,17 +71,22 @@ def _reset_accelerate() -> None:
 
 @pytest.fixture(scope="session")
 def run_recipe():
-    """`run_recipe(overrides)`: train/eagle.py's `main` on tiny_test.yaml in this process, one thread."""
-    from train.config import EagleRunConfig, load_config
-    from train.eagle import main
+    """`run_recipe(overrides, recipe="eagle")`: train/<recipe>.py's `main` on tiny_test.yaml in this process,
+    one thread. The recipe module is looked up when called, so a test may monkeypatch its names first."""
+    import train.eagle
+    import train.medusa
+    from train.config import EagleRunConfig, MedusaRunConfig, load_config
 
-    def run(args: list[str]) -> None:
-        cfg = load_config(EagleRunConfig, TINY_YAML, args)
+    recipes = {"eagle": (train.eagle, EagleRunConfig), "medusa": (train.medusa, MedusaRunConfig)}
+
+    def run(args: list[str], recipe: str = "eagle") -> None:
+        module, cls = recipes[recipe]
+        cfg = load_config(cls, TINY_YAML, args)
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # as in the subprocesses (OMP_NUM_THREADS=1), so results compare bit for bit
         _reset_accelerate()
         try:
-            main(cfg)
+            module.main(cfg)
         finally:
             _reset_accelerate()
             torch.set_num_threads(threads)

@@ -10,16 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
-from accelerate.state import AcceleratorState, GradientState
 from safetensors.torch import load_file
-
-import train.medusa
-from train.config import MedusaRunConfig, load_config
 
 pytestmark = pytest.mark.distributed
 
-TINY_YAML = Path(__file__).resolve().parents[2] / "configs" / "tiny_test.yaml"
 # LoRA dropout off: 2 ranks draw their masks apart, 1 process draws one (2, ...) mask, so they would differ
 COMMON = ["medusa.lora_r=4", "medusa.lora_dropout=0.0", "medusa.num_heads=2", "train.max_steps=3",
           "data.eval_fraction=0", "train.eval_tau_prompts=0"]
@@ -28,21 +22,6 @@ TWO_RANKS = [*COMMON, "train.per_device_batch_size=1", "train.eval_tau_prompts=1
 HEADS_ONLY = ["medusa.heads_only_steps=3"]  # the whole run is the heads-only stage
 ATOL = 1e-5
 FSDP_UNIT_PARAMS = 5000
-
-
-def run_in_process(args: list[str]) -> None:
-    """train/medusa.py's `main` on tiny_test.yaml in this process, one thread (as the subprocesses)."""
-    cfg = load_config(MedusaRunConfig, TINY_YAML, args)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-    try:
-        train.medusa.main(cfg)
-    finally:
-        AcceleratorState._reset_state(reset_partial_state=True)
-        GradientState._reset_state()
-        torch.set_num_threads(threads)
 
 
 def heads_and_lora(run: Path) -> tuple[dict, dict]:
@@ -55,9 +34,9 @@ def max_difference(a: dict, b: dict) -> float:
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory, overrides, uniform_chats) -> Path:
+def single(tmp_path_factory, overrides, uniform_chats, run_recipe) -> Path:
     out = tmp_path_factory.mktemp("medusa_single") / "run"
-    run_in_process(overrides(out, *ONE_RANK, train_file=uniform_chats))
+    run_recipe(overrides(out, *ONE_RANK, train_file=uniform_chats), "medusa")
     return out
 
 
@@ -98,13 +77,13 @@ def test_medusa2_heads_and_lora_match_one_process(accelerate_config, distributed
 
 
 def test_heads_only_stage_keeps_lora_bit_identical_under_deepspeed(tmp_path, overrides, uniform_chats, cli,
-                                                                   single):
+                                                                   single, run_recipe):
     """DeepSpeed reduces gradients into buffers of its own, so dropping `.grad` would not hold the LoRA weights:
     in the heads-only stage they must get zero gradients. After 3 heads-only steps under ZeRO-2 the adapter is
     bit for bit the one a 1-process heads-only run keeps (whose Adam skips parameters without gradients),
     while the heads trained."""
     reference = tmp_path / "one_process"
-    run_in_process(overrides(reference, *ONE_RANK, *HEADS_ONLY, train_file=uniform_chats))
+    run_recipe(overrides(reference, *ONE_RANK, *HEADS_ONLY, train_file=uniform_chats), "medusa")
     out = tmp_path / "zero2"
     launch(cli, overrides, uniform_chats, out, "deepspeed_zero2.yaml", *HEADS_ONLY)
     heads, lora = heads_and_lora(out)

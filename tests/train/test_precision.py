@@ -10,7 +10,6 @@ from typing import ClassVar
 
 import pytest
 import torch
-from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import DistributedType
 from safetensors.torch import load_file
 
@@ -30,11 +29,6 @@ STEPS = ["train.max_steps=4", "train.eval_tau_prompts=0", "train.save_every_step
 RELATIVE_TOLERANCE = 1e-3
 
 
-def _reset_accelerate() -> None:
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-
-
 class RecordingLogger(train.eagle.StepLogger):
     """The recipes' step logger, also keeping every optimizer step's loss."""
 
@@ -45,19 +39,11 @@ class RecordingLogger(train.eagle.StepLogger):
         super().step(step, last, loss, lr, grad_norm, metrics)
 
 
-def run(recipe, cls, args: list[str], monkeypatch) -> list[float]:
-    """Losses of `recipe.main` on tiny_test.yaml with `args`, one thread (as `run_recipe`)."""
-    monkeypatch.setattr(recipe, "StepLogger", RecordingLogger)
+def losses_of(run_recipe, recipe: str, args: list[str], monkeypatch) -> list[float]:
+    """Every optimizer step's loss of train/<recipe>.py on tiny_test.yaml with `args` (in this process)."""
+    monkeypatch.setattr({"eagle": train.eagle, "medusa": train.medusa}[recipe], "StepLogger", RecordingLogger)
     RecordingLogger.losses = []
-    cfg = load_config(cls, TINY_YAML, args)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    _reset_accelerate()
-    try:
-        recipe.main(cfg)
-    finally:
-        _reset_accelerate()
-        torch.set_num_threads(threads)
+    run_recipe(args, recipe)
     return list(RecordingLogger.losses)
 
 
@@ -83,23 +69,24 @@ def assert_close_losses(bf16: list[float], fp32: list[float]) -> None:
 
 @pytest.mark.parametrize("target_dtype", ["float32", "bfloat16"])
 def test_eagle3_bf16_autocast_keeps_fp32_master_weights_and_tracks_fp32_loss(target_dtype, tmp_path, overrides,
-                                                                            monkeypatch):
-    fp32 = run(train.eagle, EagleRunConfig, overrides(tmp_path / "fp32", *STEPS, "eagle.draft_vocab_size=256"),
-               monkeypatch)
+                                                                            monkeypatch, run_recipe):
+    fp32 = losses_of(run_recipe, "eagle", overrides(tmp_path / "fp32", *STEPS, "eagle.draft_vocab_size=256"),
+                     monkeypatch)
     out = tmp_path / "bf16"
-    bf16 = run(train.eagle, EagleRunConfig,
-               overrides(out, *STEPS, "eagle.draft_vocab_size=256", "train.mixed_precision=bf16",
-                         f"model.dtype={target_dtype}"), monkeypatch)
+    bf16 = losses_of(run_recipe, "eagle", overrides(out, *STEPS, "eagle.draft_vocab_size=256",
+                                                    "train.mixed_precision=bf16", f"model.dtype={target_dtype}"),
+                     monkeypatch)
     assert_fp32_weights_and_adam(out)
     assert_close_losses(bf16, fp32)
 
 
-def test_medusa2_bf16_autocast_keeps_heads_and_lora_fp32_and_tracks_fp32_loss(tmp_path, overrides, monkeypatch):
+def test_medusa2_bf16_autocast_keeps_heads_and_lora_fp32_and_tracks_fp32_loss(tmp_path, overrides, monkeypatch,
+                                                                             run_recipe):
     lora = ["medusa.lora_r=4", "medusa.lora_dropout=0.0", "medusa.num_heads=2"]
-    fp32 = run(train.medusa, MedusaRunConfig, overrides(tmp_path / "fp32", *STEPS, *lora), monkeypatch)
+    fp32 = losses_of(run_recipe, "medusa", overrides(tmp_path / "fp32", *STEPS, *lora), monkeypatch)
     out = tmp_path / "bf16"
-    bf16 = run(train.medusa, MedusaRunConfig,
-               overrides(out, *STEPS, *lora, "train.mixed_precision=bf16", "model.dtype=bfloat16"), monkeypatch)
+    bf16 = losses_of(run_recipe, "medusa", overrides(out, *STEPS, *lora, "train.mixed_precision=bf16",
+                                                     "model.dtype=bfloat16"), monkeypatch)
     assert_fp32_weights_and_adam(out)
     weights = load_file(latest_state(out) / "model.safetensors")
     assert any("lora_A" in k for k in weights)
@@ -116,16 +103,11 @@ def test_half_precision_target_without_its_autocast_is_refused(cls, dtype, preci
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="fp16 is refused only where there is no CUDA")
-def test_fp16_without_cuda_is_refused_before_any_model_loads(tmp_path, overrides, monkeypatch):
+def test_fp16_without_cuda_is_refused_before_any_model_loads(tmp_path, overrides, monkeypatch, run_recipe):
     loaded = []
     monkeypatch.setattr(train.common, "load_target", lambda *a, **k: loaded.append(1))
-    cfg = load_config(MedusaRunConfig, TINY_YAML, overrides(tmp_path, "train.mixed_precision=fp16"))
-    _reset_accelerate()
-    try:
-        with pytest.raises(ValueError, match="fp16 needs a CUDA device"):
-            train.medusa.main(cfg)
-    finally:
-        _reset_accelerate()
+    with pytest.raises(ValueError, match="fp16 needs a CUDA device"):
+        run_recipe(overrides(tmp_path, "train.mixed_precision=fp16"), "medusa")
     assert not loaded
 
 
