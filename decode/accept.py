@@ -83,11 +83,11 @@ def accept_greedy(tree: DraftTree, target_logits: Tensor) -> tuple[Tensor, Tenso
     path = torch.full((tree.max_depth + 1,), -1, dtype=torch.long, device=device)
     if tree.max_children == 0 or n == 1:
         return path.index_fill(0, torch.zeros(1, dtype=torch.long, device=device), 0), best[0]
-    table = tree.child_table()                                              # (N, m)
+    table = tree.child_table()  # (N, m)
     tokens = tree.tokens.to(device)
-    match = (tokens[table.clamp(min=0)] == best[:, None]) & (table >= 0)    # (N, m)
-    first = table.gather(1, match.long().argmax(-1, keepdim=True))[:, 0]    # argmax: the first True by rank
-    chosen_child = torch.where(match.any(-1), first, -1)                    # (N,) the child each node accepts
+    match = (tokens[table.clamp(min=0)] == best[:, None]) & (table >= 0)  # (N, m)
+    first = table.gather(1, match.long().argmax(-1, keepdim=True))[:, 0]  # argmax: the first True by rank
+    chosen_child = torch.where(match.any(-1), first, -1)  # (N,) the child each node accepts
     nodes = torch.arange(n, device=device)
     chosen = (chosen_child[tree.parents.clamp(min=0)] == nodes) | (nodes == 0)  # the root is always on it
     reached = ~(tree.ancestors & ~chosen[None, :]).any(-1)  # every ancestor chosen: one root-to-leaf chain
@@ -98,8 +98,14 @@ def accept_greedy(tree: DraftTree, target_logits: Tensor) -> tuple[Tensor, Tenso
     return path, _row(best, leaf)
 
 
-def accept_sampling(tree: DraftTree, target_logits: Tensor, temperature: float, top_p: float, top_k: int,
-                    generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
+def accept_sampling(
+    tree: DraftTree,
+    target_logits: Tensor,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    generator: torch.Generator | None,
+) -> tuple[Tensor, Tensor]:
     """Recursive rejection sampling over siblings drawn without replacement (lossless; see module doc).
 
     Runs on the device without reading anything back. The walk visits every depth up to `tree.max_depth`,
@@ -131,7 +137,7 @@ def accept_sampling(tree: DraftTree, target_logits: Tensor, temperature: float, 
             q_row = _row(tree.q_rows, node).clamp(min=0)  # a leaf has none: row 0 then goes unused
             q = _row(tree.q_table, q_row).to(device, copy=True)  # a copy: rejected siblings are zeroed in it
             q_mass = q.sum()
-            children = _row(table, node)                                          # (m,) by rank, -1: none
+            children = _row(table, node)  # (m,) by rank, -1: none
             child_tokens, exists = tokens[children.clamp(min=0)], children >= 0
             live = walking  # every earlier sibling rejected, and draft mass left to draw another
             tested, p_at, q_at, p_masses, q_masses = [], [], [], [], []
@@ -153,7 +159,7 @@ def accept_sampling(tree: DraftTree, target_logits: Tensor, temperature: float, 
             p_at = torch.cat(p_at) / torch.stack(p_masses)  # p_i(c_i): after rejecting c_1 .. c_{i-1}
             q_at = torch.cat(q_at) / torch.stack(q_masses)  # q_i(c_i): without c_1 .. c_{i-1}
             ratio = torch.where(q_at > 0, p_at / q_at, 0.0)
-            take = torch.stack(tested) & (uniforms[depth] < ratio)               # (m,)
+            take = torch.stack(tested) & (uniforms[depth] < ratio)  # (m,)
             took = take.any()
             accepted = _row(children, take.long().argmax())  # the first sibling that passes its test
             path[depth + 1] = torch.where(walking & took, accepted, -1)
@@ -164,8 +170,14 @@ def accept_sampling(tree: DraftTree, target_logits: Tensor, temperature: float, 
     return path, sample(final, generator)
 
 
-def accept_typical(tree: DraftTree, target_logits: Tensor, temperature: float, generator: torch.Generator | None,
-                   epsilon: float = 0.09, delta: float = 0.3) -> tuple[Tensor, Tensor]:
+def accept_typical(
+    tree: DraftTree,
+    target_logits: Tensor,
+    temperature: float,
+    generator: torch.Generator | None,
+    epsilon: float = 0.09,
+    delta: float = 0.3,
+) -> tuple[Tensor, Tensor]:
     """LOSSY Medusa typical acceptance: keep a child when p(child) > min(epsilon, delta * exp(-H(p))).
 
     Output is NOT distributed as the target's; offered only as an explicit opt-in. Computed on the device and
@@ -184,7 +196,7 @@ def accept_typical(tree: DraftTree, target_logits: Tensor, temperature: float, g
         if depth < tree.max_depth and m:
             entropy = -(p * torch.log(p.clamp_min(1e-12))).sum()
             threshold = torch.clamp(torch.exp(-entropy).double() * delta, max=epsilon)
-            children = _row(table, node)                                          # (m,)
+            children = _row(table, node)  # (m,)
             typical = (children >= 0) & (p[tokens[children.clamp(min=0)]].double() > threshold)
             took = typical.any()
             accepted = _row(children, typical.long().argmax())  # the first typical child by rank

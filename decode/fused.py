@@ -3,16 +3,16 @@
 `EagleHead.forward` runs transformers' Llama modules: three projections for q, k and v, two for the MLP's gate
 and up, and a dozen small module calls around them. A draft level multiplies a handful of rows, so on a CPU
 each call costs about as much as its weight traffic, and drafting a deep tree pays for every call at every
-level. `FusedEagleStep` computes the same function with the q/k/v weights stacked into one matrix, gate/up into
-another, and plain tensor ops for the norms, rope and attention (SDPA, grouped-query heads read without
+level. `FusedEagleStep` computes the same function with the q/k/v weights stacked into one matrix, gate/up
+into another, and plain tensor ops for the norms, rope and attention (SDPA, grouped-query heads read without
 copying them). It works on every form `decode/layout.py` leaves a layer in: fp32 (pretransposed or packed
 copies included) and fbgemm's int8 (the stacked int8 weight keeps each row's scale, so it is the same int8
 matrix). Same inputs, same cache update, same output as the module path up to float rounding: it only changes
 how the draft is computed, never what the target verifies, so decoding stays lossless either way.
 
-Measured on this project's 2-core CPU (EAGLE-3 head of the default target, int8, both threads, 3 chat prompts of
-64 tokens, module and fused runs interleaved in one process; median drafting ms per decoding step): dynamic tree
-(5, 4, 12) 15.4 -> 12.9, (8, 8, 32) 25.0 -> 22.6. The same trees, proposals and tau either way.
+Measured on this project's 2-core CPU (EAGLE-3 head of the default target, int8, both threads, 3 chat prompts
+of 64 tokens, module and fused runs interleaved in one process; median drafting ms per decoding step):
+dynamic tree (5, 4, 12) 15.4 -> 12.9, (8, 8, 32) 25.0 -> 22.6. The same trees, proposals and tau either way.
 """
 
 from __future__ import annotations
@@ -39,10 +39,16 @@ def _stack(layers: list[nn.Module]) -> nn.Module:
         if any(w.qscheme() not in (torch.per_channel_affine, torch.per_channel_symmetric) for w in weights):
             raise TypeError("stacking int8 layers needs per-channel weight scales")
         weight = torch._make_per_channel_quantized_tensor(
-            torch.cat([w.int_repr() for w in weights]), torch.cat([w.q_per_channel_scales() for w in weights]),
-            torch.cat([w.q_per_channel_zero_points() for w in weights]), 0)
-        bias = None if all(b is None for b in biases) else torch.cat(
-            [b if b is not None else torch.zeros(w.shape[0]) for w, b in zip(weights, biases)])
+            torch.cat([w.int_repr() for w in weights]),
+            torch.cat([w.q_per_channel_scales() for w in weights]),
+            torch.cat([w.q_per_channel_zero_points() for w in weights]),
+            0,
+        )
+        bias = (
+            None
+            if all(b is None for b in biases)
+            else torch.cat([b if b is not None else torch.zeros(w.shape[0]) for w, b in zip(weights, biases)])
+        )
         stacked = torch.ao.nn.quantized.dynamic.Linear(weight.shape[1], weight.shape[0], dtype=torch.qint8)
         stacked.set_weight_bias(weight, bias)
         return stacked
@@ -50,17 +56,28 @@ def _stack(layers: list[nn.Module]) -> nn.Module:
         raise TypeError(f"cannot stack {[type(layer).__name__ for layer in layers]}")
     weight = torch.cat([layer.weight.detach() for layer in layers])
     has_bias = any(layer.bias is not None for layer in layers)
-    stacked = nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias, device=weight.device, dtype=weight.dtype)
+    stacked = nn.Linear(
+        weight.shape[1], weight.shape[0], bias=has_bias, device=weight.device, dtype=weight.dtype
+    )
     stacked.requires_grad_(False)
     stacked.weight.copy_(weight)
     if has_bias:
-        stacked.bias.copy_(torch.cat([layer.bias.detach() if layer.bias is not None else
-                                      torch.zeros(layer.out_features, dtype=weight.dtype) for layer in layers]))
+        stacked.bias.copy_(
+            torch.cat(
+                [
+                    layer.bias.detach()
+                    if layer.bias is not None
+                    else torch.zeros(layer.out_features, dtype=weight.dtype)
+                    for layer in layers
+                ]
+            )
+        )
     return stacked
 
 
 class FusedEagleStep:
-    """`EagleHead.forward` for decoding (no autograd), computed with stacked projections; see the module docstring.
+    """`EagleHead.forward` for decoding (no autograd), computed with stacked projections; see the module
+    docstring.
 
     Use `fused_step(head)`: it builds one per head and rebuilds it when the head's weights or layout change.
     """
@@ -69,13 +86,21 @@ class FusedEagleStep:
         layer, cfg = head.midlayer, head.config
         attn, mlp = layer.self_attn, layer.mlp
         self.head, self.eagle3 = head, head.head_type == "eagle3"
-        self.num_heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.num_heads, self.kv_heads, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
         if self.num_heads % self.kv_heads:
             raise ValueError(f"{self.num_heads} attention heads do not split into {self.kv_heads} kv groups")
         self.scale = attn.scaling
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.kv_heads * self.head_dim
-        self.layers = nn.ModuleDict({"qkv": _stack([attn.q_proj, attn.k_proj, attn.v_proj]),
-                                     "gate_up": _stack([mlp.gate_proj, mlp.up_proj])})
+        self.layers = nn.ModuleDict(
+            {
+                "qkv": _stack([attn.q_proj, attn.k_proj, attn.v_proj]),
+                "gate_up": _stack([mlp.gate_proj, mlp.up_proj]),
+            }
+        )
         self.o_proj, self.down_proj, self.act = attn.o_proj, mlp.down_proj, mlp.act_fn
         self.norms = {"post": layer.post_attention_layernorm}
         if self.eagle3:
@@ -91,16 +116,24 @@ class FusedEagleStep:
         return nn.functional.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
 
     @torch.no_grad()
-    def __call__(self, features: Tensor, input_embeds: Tensor, position_ids: Tensor, cache: DraftCache,
-                 attention_mask: Tensor | None = None) -> Tensor:
+    def __call__(
+        self,
+        features: Tensor,
+        input_embeds: Tensor,
+        position_ids: Tensor,
+        cache: DraftCache,
+        attention_mask: Tensor | None = None,
+    ) -> Tensor:
         """Same arguments and result as `EagleHead.forward` (batch 1), cache extended in place."""
         batch, rows = features.shape[:2]
         if attention_mask is None:
             attention_mask = causal_mask(rows, len(cache), features.dtype, features.device)
         if self.eagle3:
             residual = features
-            attn_in = torch.cat([self._norm(self.norms["embeds"], input_embeds),
-                                 self._norm(self.norms["hidden"], features)], dim=-1)
+            attn_in = torch.cat(
+                [self._norm(self.norms["embeds"], input_embeds), self._norm(self.norms["hidden"], features)],
+                dim=-1,
+            )
         else:
             residual = attn_in = self.head.fc(torch.cat([input_embeds, features], dim=-1))
         cos, sin = self.head.rotary_emb(residual, position_ids)
@@ -111,17 +144,30 @@ class FusedEagleStep:
         v = v.view(batch, rows, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         keys, values = cache.update(k, v)
-        out = nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=attention_mask, scale=self.scale,
-                                                         enable_gqa=self.kv_heads != self.num_heads)
+        out = nn.functional.scaled_dot_product_attention(
+            q,
+            keys,
+            values,
+            attn_mask=attention_mask,
+            scale=self.scale,
+            enable_gqa=self.kv_heads != self.num_heads,
+        )
         hidden = residual + self.o_proj(out.transpose(1, 2).reshape(batch, rows, self.q_size))
-        gate, up = self.layers["gate_up"](self._norm(self.norms["post"], hidden)).split(self.head.config.intermediate_size, dim=-1)
+        gate, up = self.layers["gate_up"](self._norm(self.norms["post"], hidden)).split(
+            self.head.config.intermediate_size, dim=-1
+        )
         return hidden + self.down_proj(self.act(gate) * up)
 
 
 def _fingerprint(head: EagleHead) -> tuple:
-    """Changes when the head's weights are updated in place or its layers are swapped, pretransposed or packed."""
-    return (tuple((id(p), p._version, p.device, p.dtype) for p in head.parameters()),
-            tuple(id(m) for m in head.modules()), is_pretransposed(head), packed_rows(head))
+    """Changes when the head's weights are updated in place or its layers are swapped, pretransposed or
+    packed."""
+    return (
+        tuple((id(p), p._version, p.device, p.dtype) for p in head.parameters()),
+        tuple(id(m) for m in head.modules()),
+        is_pretransposed(head),
+        packed_rows(head),
+    )
 
 
 def fused_step(head: EagleHead) -> FusedEagleStep:

@@ -27,23 +27,28 @@ from heads.medusa import MedusaHeads
 # the defaults there are small and measured on this project's 2-core CPU; on a GPU a verify pass costs about
 # the same for a few dozen tokens, and the defaults are the sizes the papers decode with.
 DEFAULT_EAGLE_TREE = DynamicTree(depth=5, top_k=4, total_tokens=12)  # sized for a 2-core CPU
-GPU_EAGLE_TREE = DynamicTree(depth=6, top_k=10, total_tokens=60)     # EAGLE-2's GPU setting
+GPU_EAGLE_TREE = DynamicTree(depth=6, top_k=10, total_tokens=60)  # EAGLE-2's GPU setting
 GPU_MEDUSA_TREE = "tree16"  # the largest tree in DEFAULT_TREES (the Medusa paper's GPU trees have ~64 nodes)
 
 
 @dataclass
 class GenerateOutput:
-    sequences: Tensor                   # (1, prompt + new) token ids
-    new_tokens: int                     # tokens generated (EOS included when hit)
-    tau: float                          # mean tokens per verify pass, the target's bonus token INCLUDED
-    target_forwards: int                # target forward passes, prefill included
-    steps: int                          # verify passes (target_forwards - 1)
-    # acceptance counts are taken before the EOS / max_new_tokens cut: they describe the drafter, tau the output
+    sequences: Tensor  # (1, prompt + new) token ids
+    new_tokens: int  # tokens generated (EOS included when hit)
+    tau: float  # mean tokens per verify pass, the target's bonus token INCLUDED
+    target_forwards: int  # target forward passes, prefill included
+    steps: int  # verify passes (target_forwards - 1)
+    # acceptance counts are taken before the EOS / max_new_tokens cut: they describe
+    # the drafter, tau the output
     accepted_per_depth: list[int] = field(default_factory=list)  # steps whose depth-d draft was accepted
-    accepted_ranks: list[list[int]] = field(default_factory=list)  # [d-1][r]: steps accepting a rank-r node at depth d
-    offered_ranks: list[list[int]] = field(default_factory=list)  # [d-1][r]: steps offering a rank-r child below
+    accepted_ranks: list[list[int]] = field(
+        default_factory=list
+    )  # [d-1][r]: steps accepting a rank-r node at depth d
+    offered_ranks: list[list[int]] = field(
+        default_factory=list
+    )  # [d-1][r]: steps offering a rank-r child below
     #                                                                the accepted depth-(d-1) node
-    draft_nodes: int = 0                # draft tokens proposed over all steps (root excluded)
+    draft_nodes: int = 0  # draft tokens proposed over all steps (root excluded)
     seconds: float = 0.0
     stopped_at_eos: bool = False
 
@@ -71,8 +76,9 @@ def default_tree(heads: nn.Module, device: torch.device | str) -> DynamicTree | 
     return [p for p in DEFAULT_TREES[name] if len(p) <= heads.config.num_heads]
 
 
-def resolve_tree(heads: nn.Module | None, tree,
-                 device: torch.device | str = "cpu") -> TreeBuffers | DynamicTree | None:  # fmt: skip
+def resolve_tree(
+    heads: nn.Module | None, tree, device: torch.device | str = "cpu"
+) -> TreeBuffers | DynamicTree | None:
     """The tree `generate` decodes with for these heads, `tree` argument and target device (None: plain)."""
     if heads is None:
         return None
@@ -85,8 +91,12 @@ def resolve_tree(heads: nn.Module | None, tree,
     if isinstance(tree, (list, tuple)):
         tree = build_tree(tree)
     if not isinstance(tree, (TreeBuffers, DynamicTree)):
-        raise TypeError(f"tree must be rank paths, a tree name, TreeBuffers or DynamicTree, got {type(tree).__name__}")
-    max_depth = heads.config.num_heads if isinstance(heads, MedusaHeads) else getattr(heads, "max_depth", None)
+        raise TypeError(
+            f"tree must be rank paths, a tree name, TreeBuffers or DynamicTree, got {type(tree).__name__}"
+        )
+    max_depth = (
+        heads.config.num_heads if isinstance(heads, MedusaHeads) else getattr(heads, "max_depth", None)
+    )
     if max_depth is not None and isinstance(tree, TreeBuffers) and tree.depth > max_depth:
         raise ValueError(f"tree depth {tree.depth} exceeds the {max_depth} levels these heads can draft")
     return tree
@@ -96,13 +106,19 @@ def _check_heads(heads: nn.Module, model: nn.Module) -> None:
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     hc = heads.config
     target_hidden = getattr(hc, "target_hidden_size", None) or hc.hidden_size
-    for key, ours, theirs in (("hidden_size", target_hidden, config.hidden_size),
-                              ("vocab_size", hc.vocab_size, config.vocab_size)):
+    for key, ours, theirs in (
+        ("hidden_size", target_hidden, config.hidden_size),
+        ("vocab_size", hc.vocab_size, config.vocab_size),
+    ):
         if ours != theirs:
-            raise ValueError(f"heads were built for a target with {key}={ours}, but this target has {key}={theirs}")
+            raise ValueError(
+                f"heads were built for a target with {key}={ours}, but this target has {key}={theirs}"
+            )
     for layer in getattr(hc, "aux_layer_ids", None) or ():
         if not 0 <= layer < config.num_hidden_layers:
-            raise ValueError(f"heads tap layer {layer}, but this target has {config.num_hidden_layers} layers")
+            raise ValueError(
+                f"heads tap layer {layer}, but this target has {config.num_hidden_layers} layers"
+            )
     _check_placement(heads, model)
 
 
@@ -117,9 +133,11 @@ def _check_placement(heads: nn.Module, model: nn.Module) -> None:
     if wrong_device or (floats and floats != {model.dtype}):
         where = "/".join(sorted(str(d) for d in devices)) or "cpu"
         dtype = float_dtype(heads) if len(floats) <= 1 else "/".join(sorted(str(f) for f in floats))
-        raise ValueError(f"heads are on {where} / {str(dtype).removeprefix('torch.')} but the target is on "
-                         f"{model.device} / {str(model.dtype).removeprefix('torch.')}; load them with "
-                         "load_heads(path, target=model, dtype=model.dtype, device=model.device)")
+        raise ValueError(
+            f"heads are on {where} / {str(dtype).removeprefix('torch.')} but the target is on "
+            f"{model.device} / {str(model.dtype).removeprefix('torch.')}; load them with "
+            "load_heads(path, target=model, dtype=model.dtype, device=model.device)"
+        )
 
 
 def _eos_set(model: nn.Module, eos_token_id) -> set[int]:
@@ -127,13 +145,26 @@ def _eos_set(model: nn.Module, eos_token_id) -> set[int]:
         eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     if eos_token_id is None:
         return set()
-    return {int(e) for e in (eos_token_id if isinstance(eos_token_id, (list, tuple, set)) else [eos_token_id])}
+    return {
+        int(e) for e in (eos_token_id if isinstance(eos_token_id, (list, tuple, set)) else [eos_token_id])
+    }
 
 
 @torch.no_grad()
-def generate(model: nn.Module, input_ids: Tensor, heads: nn.Module | None = None, *, max_new_tokens: int,
-             temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, tree=None, seed: int | None = None,
-             eos_token_id: int | list[int] | None = None, acceptance: str = "lossless") -> GenerateOutput:
+def generate(
+    model: nn.Module,
+    input_ids: Tensor,
+    heads: nn.Module | None = None,
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    tree=None,
+    seed: int | None = None,
+    eos_token_id: int | list[int] | None = None,
+    acceptance: str = "lossless",
+) -> GenerateOutput:
     """Decode from a frozen target, drafting with `heads` (Medusa or EAGLE); output equals the target's own.
 
     Args:
@@ -199,7 +230,7 @@ def generate(model: nn.Module, input_ids: Tensor, heads: nn.Module | None = None
         out = model(input_ids=prompt, cache=cache, use_cache=True, logits_to_keep=1)
         last = out.logits[0, -1]
         if temperature == 0:
-            root = last.argmax().view(1)                                          # (1,) on the device
+            root = last.argmax().view(1)  # (1,) on the device
         else:
             root = sample(target_probs(last, temperature, top_p, top_k), generator).view(1)
         generated = [int(root)]
@@ -208,8 +239,9 @@ def generate(model: nn.Module, input_ids: Tensor, heads: nn.Module | None = None
             drafter.advance(capture.features()[0], torch.cat([prompt[0, 1:], root]))
         steps, per_depth, per_rank, offered, drafted = 0, [], [], [], 0
         while not (eos.intersection(generated[-1:]) or len(generated) >= max_new_tokens):
-            draft = propose(drafter, root, tree_spec, temperature=temperature, generator=generator,
-                            vocab_size=vocab_size)
+            draft = propose(
+                drafter, root, tree_spec, temperature=temperature, generator=generator, vocab_size=vocab_size
+            )
             logits, features = verify(model, cache, draft, past, capture)
             if temperature == 0:
                 path, bonus = accept_greedy(draft, logits)
@@ -241,7 +273,8 @@ def generate(model: nn.Module, input_ids: Tensor, heads: nn.Module | None = None
             new = [tokens[i] for i in keep[1:]] + [host[size]]
             generated += new
             root = bonus.view(1)
-            if eos.intersection(new) or len(generated) >= max_new_tokens:  # an EOS inside the path ends it too
+            # an EOS inside the path ends it too
+            if eos.intersection(new) or len(generated) >= max_new_tokens:
                 break  # the drafter needs no more input (nor the tokens after an EOS)
             if drafter is not None:
                 drafter.advance(features.index_select(0, kept), torch.cat([draft.tokens[kept[1:]], root]))
@@ -252,9 +285,16 @@ def generate(model: nn.Module, input_ids: Tensor, heads: nn.Module | None = None
     new_ids = torch.tensor([generated], dtype=input_ids.dtype, device=input_ids.device)
     return GenerateOutput(
         sequences=torch.cat([input_ids, new_ids], dim=1),
-        new_tokens=len(generated), tau=emitted_by_steps / steps if steps else 1.0, target_forwards=steps + 1,
-        steps=steps, accepted_per_depth=per_depth, accepted_ranks=per_rank, offered_ranks=offered,
-        draft_nodes=drafted, seconds=seconds, stopped_at_eos=generated[-1] in eos,
+        new_tokens=len(generated),
+        tau=emitted_by_steps / steps if steps else 1.0,
+        target_forwards=steps + 1,
+        steps=steps,
+        accepted_per_depth=per_depth,
+        accepted_ranks=per_rank,
+        offered_ranks=offered,
+        draft_nodes=drafted,
+        seconds=seconds,
+        stopped_at_eos=generated[-1] in eos,
     )
 
 
@@ -277,4 +317,3 @@ def _truncate(tokens: list[int], eos: set[int], max_new_tokens: int) -> list[int
             tokens = tokens[: i + 1]
             break
     return tokens[:max_new_tokens]
-

@@ -15,11 +15,12 @@ greedy speculative decoding still matches plain decoding token for token. Infere
 once and does not follow later changes to the weight.
 
 `quantize_draft(heads, target)` is for the draft only: int8 weights (per output channel) with int8 dynamic
-activations, fbgemm's x86 kernels. Draft passes read every weight of the head for a handful of rows, so they are
-bound by memory traffic; int8 cuts it 4x. Measured on this project's 2-core CPU (microseconds per call, fp32
-pretransposed / int8): (8192, 576) EAGLE-3 draft lm_head, 4 rows 1041 / 213; (1536, 576) 4 rows 129 / 66.
+activations, fbgemm's x86 kernels. Draft passes read every weight of the head for a handful of rows, so they
+are bound by memory traffic; int8 cuts it 4x. Measured on this project's 2-core CPU (microseconds per call,
+fp32 pretransposed / int8): (8192, 576) EAGLE-3 draft lm_head, 4 rows 1041 / 213; (1536, 576) 4 rows 129 / 66.
 Verification still runs the unchanged target, so decoding stays lossless: greedy output is the target's, and
-sampling accepts against the draft distribution the int8 head actually proposed from. Only acceptance can move.
+sampling accepts against the draft distribution the int8 head actually proposed from. Only acceptance can
+move.
 
 `pack_linears(module, rows)` goes one step further for the ONE row count a tree verify always passes (a static
 tree's node count, a dynamic tree's total_tokens + 1): it stores MKL's packed form of each weight for exactly
@@ -58,8 +59,8 @@ def can_pack() -> bool:
 
 def pack_linears(module: nn.Module, rows: int | None) -> int:
     """Make every pretransposed fp32 `nn.Linear` under `module` multiply inputs of exactly `rows` rows with an
-    MKL-packed weight (see the module docstring); `rows=None` drops the packed weights. A new row count replaces
-    the previous one (the buffers are large). A no-op where MKL packing is unavailable.
+    MKL-packed weight (see the module docstring); `rows=None` drops the packed weights. A new row count
+    replaces the previous one (the buffers are large). A no-op where MKL packing is unavailable.
 
     Args:
         module: a module already passed to `pretranspose_linears` (other layers are left alone).
@@ -80,7 +81,11 @@ def pack_linears(module: nn.Module, rows: int | None) -> int:
             continue
         if current is None or current[0] != rows:
             with torch.no_grad():
-                setattr(layer, _PACKED, (rows, torch.ops.mkl._mkl_reorder_linear_weight(layer.weight.detach(), rows)))
+                setattr(
+                    layer,
+                    _PACKED,
+                    (rows, torch.ops.mkl._mkl_reorder_linear_weight(layer.weight.detach(), rows)),
+                )
         buffer = getattr(layer, _PACKED)[1]
         held += buffer.numel() * buffer.element_size()
     return held
@@ -125,15 +130,15 @@ def is_pretransposed(module: nn.Module) -> bool:
 
 
 def pack_for_tree(target: nn.Module, heads: nn.Module | None, tree) -> None:
-    """Pack the pretransposed target for the tree's verify row count and, for a dynamic tree, an EAGLE head for
-    its `top_k` rows per level (each level of a dynamic tree expands exactly top_k nodes). Modules that were not
-    pretransposed are left alone; other trees and heads drop their packed weights.
+    """Pack the pretransposed target for the tree's verify row count and, for a dynamic tree, an EAGLE head
+    for its `top_k` rows per level (each level of a dynamic tree expands exactly top_k nodes). Modules that
+    were not pretransposed are left alone; other trees and heads drop their packed weights.
 
     Args:
         target: the target model.
         heads: the draft heads passed to `generate` (or None for plain decoding).
-        tree: the tree passed to `generate` (a `DynamicTree`, rank paths, a tree name, `TreeBuffers` or None for
-            the heads' default tree).
+        tree: the tree passed to `generate` (a `DynamicTree`, rank paths, a tree name, `TreeBuffers`
+            or None for the heads' default tree).
     """
     from decode.generate import resolve_tree
     from decode.tree import verify_rows
@@ -145,8 +150,8 @@ def pack_for_tree(target: nn.Module, heads: nn.Module | None, tree) -> None:
 
 
 def head_rows(heads: nn.Module, tree) -> int | None:
-    """The row count a draft head is packed for with this (resolved) tree: an EAGLE head's `top_k` on a dynamic
-    tree (every level expands exactly top_k nodes), else None (row counts vary or are 1)."""
+    """The row count a draft head is packed for with this (resolved) tree: an EAGLE head's `top_k` on a
+    dynamic tree (every level expands exactly top_k nodes), else None (row counts vary or are 1)."""
     from decode.tree import DynamicTree
     from heads.eagle import EagleHead
 
@@ -158,15 +163,19 @@ DRAFT_LM_HEAD = "_selfspec_draft_lm_head"  # int8 copy of the target's lm_head f
 
 
 def _int8_linears(module: nn.Module, skip: tuple[str, ...] = ()) -> None:
-    """Swap the `nn.Linear` layers under `module` (not `module` itself, nor those named in `skip`) for fbgemm's
-    dynamic int8 Linear, in place."""
+    """Swap the `nn.Linear` layers under `module` (not `module` itself, nor those named in `skip`) for
+    fbgemm's dynamic int8 Linear, in place."""
     from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
 
-    names = {name for name, layer in module.named_modules() if isinstance(layer, nn.Linear) and name not in skip}
-    with warnings.catch_warnings():  # torch.ao.quantization announces its move to torchao; the kernels are here
+    names = {
+        name for name, layer in module.named_modules() if isinstance(layer, nn.Linear) and name not in skip
+    }
+    # torch.ao.quantization announces its move to torchao; the kernels are here
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        quantize_dynamic(module, {name: per_channel_dynamic_qconfig for name in names}, dtype=torch.qint8,
-                         inplace=True)
+        quantize_dynamic(
+            module, {name: per_channel_dynamic_qconfig for name in names}, dtype=torch.qint8, inplace=True
+        )
 
 
 def can_int8() -> bool:
@@ -177,9 +186,10 @@ def can_int8() -> bool:
 def quantize_draft(heads: nn.Module, target: nn.Module | None = None) -> nn.Module:
     """Give the draft int8 weights for decoding (see the module docstring), in place; returns `heads`.
 
-    Every `nn.Linear` of the heads becomes a dynamic int8 Linear (pretransposed or packed copies are dropped with
-    the old layers), except an EAGLE head's `fc`: it reads the target's raw hidden states, whose outlier channels
-    one int8 activation scale per tensor cannot hold (measured on the default target's EAGLE-3 head, 3 chat
+    Every `nn.Linear` of the heads becomes a dynamic int8 Linear (pretransposed or packed copies are dropped
+    with the old layers), except an EAGLE head's `fc`: it reads the target's raw hidden states, whose outlier
+    channels one int8 activation scale per tensor cannot hold (measured on the default target's EAGLE-3 head,
+    3 chat
     prompts: tau 3.18 with fc kept in fp32, as with the fp32 head; 2.56 with fc in int8). `fc` runs once per
     step, on the accepted tokens only. Heads that project with the target's lm_head (Medusa `share_lm_head`,
     EAGLE-1) get an int8 copy of it that only their drafts use; the target itself is not touched. Inference
@@ -196,20 +206,28 @@ def quantize_draft(heads: nn.Module, target: nn.Module | None = None) -> nn.Modu
     from heads.medusa import MedusaHeads
 
     if not can_int8():
-        raise RuntimeError("int8 drafts need fbgemm (x86) kernels; this torch build has "
-                           f"{torch.backends.quantized.supported_engines}")
+        raise RuntimeError(
+            "int8 drafts need fbgemm (x86) kernels; this torch build has "
+            f"{torch.backends.quantized.supported_engines}"
+        )
     floats = [p for p in (*heads.parameters(), *heads.buffers()) if p.is_floating_point()]
     if any(p.device.type != "cpu" or p.dtype != torch.float32 for p in floats):
-        raise ValueError("int8 drafts are for fp32 heads on the CPU; these heads hold "
-                         f"{sorted({f'{p.dtype} on {p.device}' for p in floats})}")
+        raise ValueError(
+            "int8 drafts are for fp32 heads on the CPU; these heads hold "
+            f"{sorted({f'{p.dtype} on {p.device}' for p in floats})}"
+        )
     shares = (isinstance(heads, MedusaHeads) and heads.config.share_lm_head) or (
-        isinstance(heads, EagleHead) and heads.head_type == "eagle1")
+        isinstance(heads, EagleHead) and heads.head_type == "eagle1"
+    )
     if shares:
         if target is None:
             raise ValueError(f"these {type(heads).__name__} project with the target's lm_head: pass target=")
         shared = target.get_output_embeddings()
         plain = nn.Linear(shared.in_features, shared.out_features, bias=shared.bias is not None)
-        plain.weight, plain.bias = shared.weight, shared.bias  # the target's tensors, read once by the quantizer
+        plain.weight, plain.bias = (
+            shared.weight,
+            shared.bias,
+        )  # the target's tensors, read once by the quantizer
         holder = nn.Sequential(plain)
         _int8_linears(holder)
         object.__setattr__(heads, DRAFT_LM_HEAD, holder[0])  # not a submodule: stays out of state_dict()
@@ -218,7 +236,8 @@ def quantize_draft(heads: nn.Module, target: nn.Module | None = None) -> nn.Modu
 
 
 def draft_lm_head(heads: nn.Module, target: nn.Module) -> nn.Module:
-    """The lm_head a draft that shares the target's projects with: its int8 copy, if any, else the target's."""
+    """The lm_head a draft that shares the target's projects with: its int8 copy, if any, else the
+    target's."""
     own = heads.__dict__.get(DRAFT_LM_HEAD)
     return own if own is not None else target.get_output_embeddings()
 

@@ -28,18 +28,22 @@ from heads.medusa import MedusaHeads
 
 @dataclass
 class Candidates:
-    draft_ids: Tensor   # (n, k) draft-vocabulary ids in draw order, one row per expanded node
-    slot_logq: Tensor   # (n, k) k largest log q values per row, decreasing: the slot scores
-    q: Tensor | None    # (n, Vd) draft distributions the ids were drawn from (sampling only)
+    draft_ids: Tensor  # (n, k) draft-vocabulary ids in draw order, one row per expanded node
+    slot_logq: Tensor  # (n, k) k largest log q values per row, decreasing: the slot scores
+    q: Tensor | None  # (n, Vd) draft distributions the ids were drawn from (sampling only)
 
 
-def draw_children(logits: Tensor, k: int, temperature: float, generator: torch.Generator | None) -> Candidates:
+def draw_children(
+    logits: Tensor, k: int, temperature: float, generator: torch.Generator | None
+) -> Candidates:
     """Per row of `logits` (n, Vd) (or one (Vd,) row): its top-k (greedy) or k draws without replacement from
     softmax(row / T). One batched call for all the nodes a draft level expands."""
     logits = logits.float().reshape(-1, logits.shape[-1])
     k = min(k, logits.shape[-1])
     if temperature == 0:
-        top = torch.topk(logits, k)  # log q = logit - logsumexp: the same order without a full log_softmax pass
+        top = torch.topk(
+            logits, k
+        )  # log q = logit - logsumexp: the same order without a full log_softmax pass
         return Candidates(top.indices, top.values - torch.logsumexp(logits, dim=-1, keepdim=True), None)
     logq = torch.log_softmax(logits / temperature, dim=-1)
     uniform = torch.rand(logq.shape, generator=generator, device=logq.device).clamp_(1e-20, 1.0)
@@ -75,8 +79,9 @@ class Drafter:
         """(n, Vd) draft logits for the children of `nodes` (all at `depth`, tokens are target ids)."""
         raise NotImplementedError
 
-    def expand_batch(self, nodes: Tensor, tokens: Tensor, parents: Tensor, parent_rows: Tensor,
-                     depth: int) -> Tensor:
+    def expand_batch(
+        self, nodes: Tensor, tokens: Tensor, parents: Tensor, parent_rows: Tensor, depth: int
+    ) -> Tensor:
         """`expand` on device tensors: node ids, their tokens and their parents' ids, (n,) each, and each
         parent's row in this proposal's expansion order (-1 for the root): a proposal's first `expand_batch`
         expands rows 0..n-1, the next one rows n.., so a node's children find its draft state without node ids
@@ -128,9 +133,9 @@ class EagleDrafter(Drafter):
         self.feature_layers = head.feature_layers
         self.dtype = float_dtype(head)
         self.cache = DraftCache()
-        self.committed = 0                 # draft positions holding verified (feature, next token) pairs
-        self._root_hidden: Tensor | None = None   # (1, 1, H) output at the last committed position
-        self._rows_hidden: Tensor | None = None   # (R, H) outputs of this proposal's expanded nodes, by row
+        self.committed = 0  # draft positions holding verified (feature, next token) pairs
+        self._root_hidden: Tensor | None = None  # (1, 1, H) output at the last committed position
+        self._rows_hidden: Tensor | None = None  # (R, H) outputs of this proposal's expanded nodes, by row
         self._row_of_node: dict[int, int] = {0: -1}  # node -> row, for the list form `expand` only
         # row r: which of this proposal's cached tree entries (= expansion rows) row r may attend to
         self._tree_allowed = torch.zeros(0, 0, dtype=torch.bool)
@@ -138,8 +143,8 @@ class EagleDrafter(Drafter):
     @torch.no_grad()
     def advance(self, features: Tensor, next_tokens: Tensor) -> None:
         n = next_tokens.numel()
-        feats = self.head.project_features(features.to(self.dtype)[None])       # (1, n, H)
-        embeds = self.embed(next_tokens[None]).to(self.dtype)                   # (1, n, H)
+        feats = self.head.project_features(features.to(self.dtype)[None])  # (1, n, H)
+        embeds = self.embed(next_tokens[None]).to(self.dtype)  # (1, n, H)
         positions = torch.arange(self.committed, self.committed + n, device=feats.device)[None]
         hidden = self.step(feats, embeds, positions, self.cache)
         self.committed += n
@@ -152,8 +157,10 @@ class EagleDrafter(Drafter):
     @property
     def _hidden(self) -> dict[int, Tensor]:
         """node -> draft output (H,) of the root and of the nodes expanded through the list form `expand`."""
-        return {node: self._root_hidden[0, 0] if row < 0 else self._rows_hidden[row]
-                for node, row in self._row_of_node.items()}  # fmt: skip
+        return {
+            node: self._root_hidden[0, 0] if row < 0 else self._rows_hidden[row]
+            for node, row in self._row_of_node.items()
+        }
 
     def root_logits(self) -> Tensor:
         return self.head.logits(self._root_hidden, self.lm_head)[0, 0]
@@ -177,9 +184,9 @@ class EagleDrafter(Drafter):
     @torch.no_grad()
     def expand_batch(self, nodes, tokens, parents, parent_rows, depth):
         n = tokens.numel()
-        outputs = torch.cat([self._root_hidden[0], self._rows_hidden])         # (1 + R, H): root, then rows
-        feats = outputs.index_select(0, parent_rows + 1)[None]                  # (1, n, H)
-        embeds = self.embed(tokens.to(feats.device)[None]).to(self.dtype)       # (1, n, H)
+        outputs = torch.cat([self._root_hidden[0], self._rows_hidden])  # (1 + R, H): root, then rows
+        feats = outputs.index_select(0, parent_rows + 1)[None]  # (1, n, H)
+        embeds = self.embed(tokens.to(feats.device)[None]).to(self.dtype)  # (1, n, H)
         positions = torch.full((1, n), self.committed + depth - 1, dtype=torch.long, device=feats.device)
         mask = self._tree_mask(parent_rows, n, feats.device)
         hidden = self.step(feats, embeds, positions, self.cache, attention_mask=mask)[0]  # (n, H)
@@ -189,8 +196,13 @@ class EagleDrafter(Drafter):
     def expand(self, nodes, tokens, parents, depth):
         device, first = self._root_hidden.device, self._rows_hidden.shape[0]
         parent_rows = torch.tensor([self._row_of_node[p] for p in parents], device=device)
-        logits = self.expand_batch(torch.tensor(nodes, device=device), tokens,
-                                   torch.tensor(parents, device=device), parent_rows, depth)  # fmt: skip
+        logits = self.expand_batch(
+            torch.tensor(nodes, device=device),
+            tokens,
+            torch.tensor(parents, device=device),
+            parent_rows,
+            depth,
+        )
         self._row_of_node.update({node: first + row for row, node in enumerate(nodes)})
         return logits
 
@@ -216,9 +228,15 @@ def make_drafter(heads: nn.Module, target: nn.Module) -> Drafter:
 class _Growth:
     """A proposal being grown on the device: node arrays sized up front, filled one level at a time."""
 
-    def __init__(self, drafter: Drafter, root: Tensor, capacity: int, temperature: float, generator,
-                 vocab_size: int) -> None:  # fmt: skip
-        self.drafter, self.temperature, self.generator, self.vocab_size = drafter, temperature, generator, vocab_size
+    def __init__(
+        self, drafter: Drafter, root: Tensor, capacity: int, temperature: float, generator, vocab_size: int
+    ) -> None:
+        self.drafter, self.temperature, self.generator, self.vocab_size = (
+            drafter,
+            temperature,
+            generator,
+            vocab_size,
+        )
         device = self.device = root.device
         self.size, self.rows, self.q_rows_used = 1, 0, 0  # nodes, expanded nodes (not the root), q_table rows
         self.tokens = torch.zeros(capacity, dtype=torch.long, device=device)
@@ -233,17 +251,19 @@ class _Growth:
         self.ancestors = torch.zeros(capacity, capacity, dtype=torch.bool, device=device)
         self.ancestors[:1, :1].fill_(True)  # fill_, not `= True`: no scalar tensor is made and copied
 
-    def add_children(self, parents: Tensor, logits: Tensor, k: int, depth: int,
-                     select: Tensor | None = None) -> tuple[int, int]:  # fmt: skip
+    def add_children(
+        self, parents: Tensor, logits: Tensor, k: int, depth: int, select: Tensor | None = None
+    ) -> tuple[int, int]:
         """Give node parents[i] (all at `depth` - 1) the top k (or k drawn) children of logits[i] (one batched
         draw over (n, Vd)); `select` keeps only these flat `row * k + rank` entries (a static tree's rows
         differ in width; its nodes need no scores). Returns the new nodes' id range."""
         cand = draw_children(logits, k, self.temperature, self.generator)
         if cand.draft_ids.shape[1] != k:
-            raise ValueError(f"the tree wants {k} children per node, but the draft vocabulary has "
-                             f"{logits.shape[-1]}")
+            raise ValueError(
+                f"the tree wants {k} children per node, but the draft vocabulary has {logits.shape[-1]}"
+            )
         n = parents.numel()
-        targets = self.drafter.to_target_ids(cand.draft_ids).reshape(-1)            # (n * k,)
+        targets = self.drafter.to_target_ids(cand.draft_ids).reshape(-1)  # (n * k,)
         start = self.size
         stop = start + (n * k if select is None else select.numel())
         if select is None:
@@ -299,8 +319,15 @@ class _Growth:
 
 
 @torch.no_grad()
-def propose(drafter: Drafter | None, root_token: int | Tensor, tree: TreeBuffers | DynamicTree, *,
-            temperature: float, generator: torch.Generator | None, vocab_size: int) -> DraftTree:
+def propose(
+    drafter: Drafter | None,
+    root_token: int | Tensor,
+    tree: TreeBuffers | DynamicTree,
+    *,
+    temperature: float,
+    generator: torch.Generator | None,
+    vocab_size: int,
+) -> DraftTree:
     """Grow one draft tree below `root_token`.
 
     Args:
@@ -329,15 +356,21 @@ def propose(drafter: Drafter | None, root_token: int | Tensor, tree: TreeBuffers
 
 def _root_only(root: Tensor) -> DraftTree:
     device = root.device
-    return DraftTree(tokens=root, parents=torch.full((1,), -1, dtype=torch.long, device=device),
-                     ranks=torch.zeros(1, dtype=torch.long, device=device),
-                     depths=torch.zeros(1, dtype=torch.long, device=device),
-                     ancestors=torch.ones(1, 1, dtype=torch.bool, device=device), max_depth=0, max_children=0)
+    return DraftTree(
+        tokens=root,
+        parents=torch.full((1,), -1, dtype=torch.long, device=device),
+        ranks=torch.zeros(1, dtype=torch.long, device=device),
+        depths=torch.zeros(1, dtype=torch.long, device=device),
+        ancestors=torch.ones(1, 1, dtype=torch.bool, device=device),
+        max_depth=0,
+        max_children=0,
+    )
 
 
 @functools.lru_cache(maxsize=64)
-def _static_levels(paths: tuple[tuple[int, ...], ...],
-                   device: torch.device) -> tuple[tuple[Tensor, Tensor, int], ...]:  # fmt: skip
+def _static_levels(
+    paths: tuple[tuple[int, ...], ...], device: torch.device
+) -> tuple[tuple[Tensor, Tensor, int], ...]:
     """Per level of a static tree: the node ids that get children, `add_children`'s `select` and the widest
     row, on `device` (made once per tree and device: no uploads while decoding)."""
     tree = build_tree(paths)
@@ -360,8 +393,9 @@ def _static_levels(paths: tuple[tuple[int, ...], ...],
     return tuple(levels)
 
 
-def _grow_static(drafter: Drafter, root: Tensor, root_logits: Tensor, tree: TreeBuffers,
-                 draws: dict) -> DraftTree:  # fmt: skip
+def _grow_static(
+    drafter: Drafter, root: Tensor, root_logits: Tensor, tree: TreeBuffers, draws: dict
+) -> DraftTree:
     growth = _Growth(drafter, root, len(tree), **draws)
     levels = _static_levels(tree.paths, root.device)
     for depth, (nodes, select, k) in enumerate(levels):
@@ -370,8 +404,9 @@ def _grow_static(drafter: Drafter, root: Tensor, root_logits: Tensor, tree: Tree
     return growth.result(tree.depth, max((k for *_, k in levels), default=0))
 
 
-def _grow_dynamic(drafter: Drafter, root: Tensor, root_logits: Tensor, spec: DynamicTree,
-                  draws: dict) -> DraftTree:  # fmt: skip
+def _grow_dynamic(
+    drafter: Drafter, root: Tensor, root_logits: Tensor, spec: DynamicTree, draws: dict
+) -> DraftTree:
     depth_limit = min(spec.depth, drafter.max_depth or spec.depth)
     k = min(spec.top_k, root_logits.shape[-1])
     sizes = [k]  # nodes per level: known before any draw

@@ -1,17 +1,20 @@
-"""Tree sizing from a cost model (REFERENCE section 1): pick the tree that maximises expected tokens per second,
+"""Tree sizing from a cost model (REFERENCE section 1): pick the tree that maximises expected tokens per
+second,
 
     tokens/s = E[tokens per step] / (C_T(n + 1) + C_P(tree)),
 
-where E comes from measured acceptance per (depth, sibling rank), C_T(n + 1) is the measured cost of one target
-forward over the root plus n draft tokens, and C_P the measured cost of drafting the tree (about depth x C_D for
-EAGLE, one pass of the heads for Medusa). On a CPU, C_T grows with n, so the best tree is small and machine-bound.
+where E comes from measured acceptance per (depth, sibling rank), C_T(n + 1) is the measured cost of one
+target forward over the root plus n draft tokens, and C_P the measured cost of drafting the tree (about depth
+x C_D for EAGLE, one pass of the heads for Medusa). On a CPU, C_T grows with n, so the best tree is small and
+machine-bound.
 
 Acceptance model: at depth d, the accepted node is the rank-r child of the accepted depth-(d-1) node with
 probability a[d][r], independently across depths. A node reached by ranks (r1, ..., rd) is then accepted with
-probability a[1][r1] ... a[d][rd], and E[tokens] = 1 (the bonus token) + the sum of that over the tree's nodes.
-For a budget of n nodes, the best tree takes the n most probable nodes (best-first from the root; children are
-never likelier than their parent, so the pick is always a tree). That is how Medusa chose its sparse trees;
-EAGLE-2's dynamic trees pick by the draft's own confidence instead, so for them the estimate is approximate.
+probability a[1][r1] ... a[d][rd], and E[tokens] = 1 (the bonus token) + the sum of that over the tree's
+nodes. For a budget of n nodes, the best tree takes the n most probable nodes (best-first from the root;
+children are never likelier than their parent, so the pick is always a tree). That is how Medusa chose its
+sparse trees; EAGLE-2's dynamic trees pick by the draft's own confidence instead, so for them the estimate is
+approximate.
 """
 
 from __future__ import annotations
@@ -38,8 +41,8 @@ from heads.features import FeatureCapture
 
 def rank_acceptance(outputs: Sequence[GenerateOutput]) -> list[list[float]]:
     """a[d-1][r]: P(the target takes the rank-r child at depth d | the parent at depth d - 1 was accepted and
-    offered a rank-r child), pooled over all runs: `accepted_ranks` / `offered_ranks`. Ranks or depths that the
-    measured trees never offered have no estimate and are absent (a wide, deep probe tree avoids that)."""
+    offered a rank-r child), pooled over all runs: `accepted_ranks` / `offered_ranks`. Ranks or depths that
+    the measured trees never offered have no estimate and are absent (a wide, deep probe tree avoids that)."""
     accepted: list[list[int]] = []
     offered: list[list[int]] = []
     for out in outputs:
@@ -50,12 +53,22 @@ def rank_acceptance(outputs: Sequence[GenerateOutput]) -> list[list[float]]:
                 table[depth] += [0] * (len(ranks) - len(table[depth]))
                 for rank, count in enumerate(ranks):
                     table[depth][rank] += count
-    return [[(accepted[d][r] if d < len(accepted) and r < len(accepted[d]) else 0) / count if count else 0.0
-             for r, count in enumerate(row)] for d, row in enumerate(offered)]  # fmt: skip
+    return [
+        [
+            (accepted[d][r] if d < len(accepted) and r < len(accepted[d]) else 0) / count if count else 0.0
+            for r, count in enumerate(row)
+        ]
+        for d, row in enumerate(offered)
+    ]
 
 
-def best_tree(acceptance: Sequence[Sequence[float]], budget: int, max_depth: int | None = None,
-              top_k: int | None = None, expand_per_level: int | None = None) -> tuple[float, list[tuple[int, ...]]]:
+def best_tree(
+    acceptance: Sequence[Sequence[float]],
+    budget: int,
+    max_depth: int | None = None,
+    top_k: int | None = None,
+    expand_per_level: int | None = None,
+) -> tuple[float, list[tuple[int, ...]]]:
     """The `budget` most probable nodes under the acceptance model, as rank paths, and their E[tokens].
 
     Best-first from the root: a node's next sibling and first child become candidates when it is taken, so the
@@ -194,8 +207,8 @@ def measure_verify_cost(
     pass), so a slow spell of a shared machine spreads over all sizes instead of spoiling one; each size gets
     the median of its rounds. The result is then made non-decreasing in n (`monotone_costs`): a tree of n
     tokens can always be padded to a larger measured size, so C_T(n) is at most C_T(m) for m > n.
-    A pretransposed target (`decode.layout`) is measured packed for each n, as `pack_for_tree` packs it to decode
-    with an n-token tree, and is left packed as it was."""
+    A pretransposed target (`decode.layout`) is measured packed for each n, as `pack_for_tree` packs it to
+    decode with an n-token tree, and is left packed as it was."""
     cache = DynamicCache(config=model.config)
     model(input_ids=context, cache=cache, use_cache=True, logits_to_keep=1)
     past = context.shape[1]
@@ -203,12 +216,18 @@ def measure_verify_cost(
     pack, before = is_pretransposed(model) and can_pack(), packed_rows(model)
     for _ in range(max(repeats, 1)):
         for n in sizes:
-            if pack:  # a pretransposed target decodes packed for its tree (`pack_for_tree`): measure n that way
+            # a pretransposed target decodes packed for its tree (`pack_for_tree`): measure n that way
+            if pack:
                 pack_linears(model, n if n >= 2 else None)
-            tokens = torch.randint(0, model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(n))
+            tokens = torch.randint(
+                0, model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(n)
+            )
             device = model.device  # the tree is made there, untimed: no upload inside the timer
-            tree = DraftTree(tokens=tokens.to(device), parents=torch.arange(-1, n - 1, device=device),
-                             ranks=torch.zeros(n, dtype=torch.long, device=device))
+            tree = DraftTree(
+                tokens=tokens.to(device),
+                parents=torch.arange(-1, n - 1, device=device),
+                ranks=torch.zeros(n, dtype=torch.long, device=device),
+            )
 
             def run(tree: DraftTree = tree, n: int = n) -> None:
                 verify(model, cache, tree, past)
@@ -221,7 +240,8 @@ def measure_verify_cost(
 
 
 def monotone_costs(costs: dict[int, float]) -> dict[int, float]:
-    """{n: min over m >= n of costs[m]}: the cost of n tree tokens, padding to a larger size where that is cheaper."""
+    """{n: min over m >= n of costs[m]}: the cost of n tree tokens, padding to a larger size where that is
+    cheaper."""
     out, best = {}, float("inf")
     for n in sorted(costs, reverse=True):
         best = min(best, costs[n])
@@ -230,12 +250,17 @@ def monotone_costs(costs: dict[int, float]) -> dict[int, float]:
 
 
 @torch.no_grad()
-def measure_propose_cost(model: nn.Module, heads: nn.Module, context: torch.Tensor,
-                         trees: Sequence[TreeBuffers | DynamicTree], repeats: int = 5,
-                         advance_tokens: int = 2) -> list[float]:  # fmt: skip
+def measure_propose_cost(
+    model: nn.Module,
+    heads: nn.Module,
+    context: torch.Tensor,
+    trees: Sequence[TreeBuffers | DynamicTree],
+    repeats: int = 5,
+    advance_tokens: int = 2,
+) -> list[float]:
     """Median seconds of the drafter's work in one decoding step, per tree: taking in `advance_tokens` newly
-    accepted positions (Medusa: its heads and their lm_head; EAGLE: a draft forward over them) and then drafting
-    the tree (greedy), after the target prefilled `context` (1, T)."""
+    accepted positions (Medusa: its heads and their lm_head; EAGLE: a draft forward over them) and then
+    drafting the tree (greedy), after the target prefilled `context` (1, T)."""
     drafter = make_drafter(heads, model)
     capture = FeatureCapture(model, drafter.feature_layers)
     with capture:
@@ -268,9 +293,9 @@ def measure_propose_cost(model: nn.Module, heads: nn.Module, context: torch.Tens
 class Calibration:
     """What `calibrate` measured for one head on one machine, and the search over trees it allows."""
 
-    acceptance: list[list[float]]     # a[d-1][r], from `rank_acceptance`
-    verify_cost: dict[int, float]     # seconds of one target forward over n tree tokens
-    candidates: list[Candidate]       # best first; empty when no draft was ever accepted
+    acceptance: list[list[float]]  # a[d-1][r], from `rank_acceptance`
+    verify_cost: dict[int, float]  # seconds of one target forward over n tree tokens
+    candidates: list[Candidate]  # best first; empty when no draft was ever accepted
     measure_propose: Callable[[DynamicTree | list[tuple[int, ...]]], float]  # seconds to draft a given tree
 
     @property
@@ -289,24 +314,44 @@ class Calibration:
             for path in paths:
                 probability = 1.0
                 for d, r in enumerate(path):
-                    probability *= self.acceptance[d][r] if d < len(self.acceptance) and r < len(self.acceptance[d]) \
-                        else 0.0  # fmt: skip
+                    probability *= (
+                        self.acceptance[d][r]
+                        if d < len(self.acceptance) and r < len(self.acceptance[d])
+                        else 0.0
+                    )
                 expected += probability
             nodes, depth, top_k = len(paths), max(map(len, paths)), 1 + max(max(p) for p in paths)
         verify_seconds = interpolate(self.verify_cost, nodes + 1)
-        propose_seconds = self.measure_propose(tree if isinstance(tree, DynamicTree) else [tuple(p) for p in tree])
-        return {"draft_nodes": nodes, "depth": depth, "top_k": top_k, "expected_tokens": expected,
-                "verify_seconds": verify_seconds, "propose_seconds": propose_seconds,
-                "tokens_per_second": expected / (verify_seconds + propose_seconds)}  # fmt: skip
+        propose_seconds = self.measure_propose(
+            tree if isinstance(tree, DynamicTree) else [tuple(p) for p in tree]
+        )
+        return {
+            "draft_nodes": nodes,
+            "depth": depth,
+            "top_k": top_k,
+            "expected_tokens": expected,
+            "verify_seconds": verify_seconds,
+            "propose_seconds": propose_seconds,
+            "tokens_per_second": expected / (verify_seconds + propose_seconds),
+        }
 
 
 @torch.no_grad()
-def calibrate(model: nn.Module, heads: nn.Module, prompts: Sequence[torch.Tensor], *, max_new_tokens: int = 64,
-              verify_sizes: Sequence[int] = (1, 2, 4, 8, 12, 16, 24, 32, 48), max_depth: int = 6, max_top_k: int = 4,
-              repeats: int = 3) -> Calibration:
+def calibrate(
+    model: nn.Module,
+    heads: nn.Module,
+    prompts: Sequence[torch.Tensor],
+    *,
+    max_new_tokens: int = 64,
+    verify_sizes: Sequence[int] = (1, 2, 4, 8, 12, 16, 24, 32, 48),
+    max_depth: int = 6,
+    max_top_k: int = 4,
+    repeats: int = 3,
+) -> Calibration:
     """Measure, on this machine, everything the cost model needs, and search the best tree for `heads`.
 
-    1. Acceptance per (depth, rank): greedy decoding of `prompts` with a wide probe tree (EAGLE: dynamic, depth
+    1. Acceptance per (depth, rank): greedy decoding of `prompts` with a wide probe tree (EAGLE: dynamic,
+    depth
        `max_depth`, top_k `max_top_k`, 48 nodes; Medusa: the top `max_top_k` candidates of every head below
        the top-1 chain). Use prompts the benchmark does not score: the choice is then not fitted to them.
     2. C_T(n): the target's verify forward over n tokens above the first prompt, for n in `verify_sizes` (1
@@ -350,6 +395,7 @@ def calibrate(model: nn.Module, heads: nn.Module, prompts: Sequence[torch.Tensor
         def propose_cost(n: int, d: int, k: int) -> float:
             return medusa_seconds
 
-    candidates = size_tree(acceptance, verify_cost, propose_cost, dynamic=eagle, budgets=budgets, depths=depths,
-                           top_ks=top_ks)  # fmt: skip
+    candidates = size_tree(
+        acceptance, verify_cost, propose_cost, dynamic=eagle, budgets=budgets, depths=depths, top_ks=top_ks
+    )
     return Calibration(acceptance, verify_cost, candidates, measure_propose)

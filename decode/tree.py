@@ -20,10 +20,10 @@ class TreeBuffers:
     """A static tree in index form; node i > 0 is `paths[i - 1]` after sorting by depth then ranks."""
 
     paths: tuple[tuple[int, ...], ...]  # sorted rank paths, one per non-root node
-    parents: Tensor           # (N,) int64, parents[0] = -1
-    ranks: Tensor             # (N,) int64 sibling rank (0 = best candidate), 0 for the root
-    position_ids: Tensor      # (N,) int64 depth of each node, added to the committed length
-    attn_mask: Tensor         # (N, N) bool, [i, j] = j is i or an ancestor of i
+    parents: Tensor  # (N,) int64, parents[0] = -1
+    ranks: Tensor  # (N,) int64 sibling rank (0 = best candidate), 0 for the root
+    position_ids: Tensor  # (N,) int64 depth of each node, added to the committed length
+    attn_mask: Tensor  # (N, N) bool, [i, j] = j is i or an ancestor of i
     retrieve_indices: Tensor  # (P, D + 1) int64 root-to-leaf node indices, padded with -1
 
     @property
@@ -59,8 +59,8 @@ def tree_label(tree: DynamicTree | str | Sequence[Sequence[int]]) -> str:
 
 
 def verify_rows(tree: DynamicTree | TreeBuffers | str | Sequence[Sequence[int]]) -> int:
-    """Tokens one verify forward passes for this tree, root included (a dynamic tree's when the drafter reaches
-    its full size): what `decode.layout.pack_linears` packs for."""
+    """Tokens one verify forward passes for this tree, root included (a dynamic tree's when the drafter
+    reaches its full size): what `decode.layout.pack_linears` packs for."""
     if isinstance(tree, DynamicTree):
         return tree.total_tokens + 1
     if isinstance(tree, TreeBuffers):
@@ -132,8 +132,12 @@ def build_tree(paths: Sequence[Sequence[int]]) -> TreeBuffers:
     parents = torch.tensor([-1] + [index[p[:-1]] for p in ordered], dtype=torch.long)
     ranks = torch.tensor([0] + [p[-1] for p in ordered], dtype=torch.long)
     return TreeBuffers(
-        paths=tuple(ordered), parents=parents, ranks=ranks, position_ids=node_depths(parents),
-        attn_mask=ancestor_mask(parents), retrieve_indices=leaf_paths(parents),
+        paths=tuple(ordered),
+        parents=parents,
+        ranks=ranks,
+        position_ids=node_depths(parents),
+        attn_mask=ancestor_mask(parents),
+        retrieve_indices=leaf_paths(parents),
     )
 
 
@@ -146,8 +150,24 @@ def chain(depth: int) -> list[tuple[int, ...]]:
 DEFAULT_TREES: dict[str, list[tuple[int, ...]]] = {
     "chain4": chain(4),
     "tree8": [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 0, 0), (0, 0, 1)],
-    "tree16": [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (2, 0), (0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 0, 0),
-               (0, 0, 0, 0), (0, 0, 1, 0), (0, 0, 0, 1), (0, 0, 0, 0, 0), (0, 0, 0, 0, 0, 0)],
+    "tree16": [
+        (0,),
+        (1,),
+        (2,),
+        (0, 0),
+        (0, 1),
+        (1, 0),
+        (2, 0),
+        (0, 0, 0),
+        (0, 0, 1),
+        (0, 1, 0),
+        (1, 0, 0),
+        (0, 0, 0, 0),
+        (0, 0, 1, 0),
+        (0, 0, 0, 1),
+        (0, 0, 0, 0, 0),
+        (0, 0, 0, 0, 0, 0),
+    ],
 }
 DEFAULT_MEDUSA_TREE = "tree8"
 
@@ -173,14 +193,14 @@ class DraftTree:
     decoding step reads nothing back from the device until acceptance; a tree built by hand (tests, cost
     measurements) gives `tokens`, `parents` and `ranks` only and gets the rest derived here, on the host."""
 
-    tokens: Tensor        # (N,) int64 target-vocabulary ids; tokens[0] is the root
-    parents: Tensor       # (N,) int64, parents[0] = -1; parents precede children
-    ranks: Tensor         # (N,) int64 order in which siblings were drawn (0 first)
-    q_rows: Tensor | None = None   # (N,) int64 row of `q_table` holding the draft distribution a node's
+    tokens: Tensor  # (N,) int64 target-vocabulary ids; tokens[0] is the root
+    parents: Tensor  # (N,) int64, parents[0] = -1; parents precede children
+    ranks: Tensor  # (N,) int64 order in which siblings were drawn (0 first)
+    q_rows: Tensor | None = None  # (N,) int64 row of `q_table` holding the draft distribution a node's
     q_table: Tensor | None = None  # children were drawn from (-1 if it has none); (M, V) fp32, sampling only
-    depths: Tensor | None = None     # (N,) int64 depth of each node (root 0)
+    depths: Tensor | None = None  # (N,) int64 depth of each node (root 0)
     ancestors: Tensor | None = None  # (N, N) bool, [i, j]: j is i or an ancestor of i (the verify mask)
-    max_depth: int | None = None     # no node is deeper (a bound known on the host: sizes acceptance's loops)
+    max_depth: int | None = None  # no node is deeper (a bound known on the host: sizes acceptance's loops)
     max_children: int | None = None  # ranks are below it (a bound known on the host)
 
     def __post_init__(self) -> None:

@@ -22,8 +22,13 @@ def tree_attention_mask(ancestors: Tensor, past_length: int, dtype: torch.dtype)
 
 
 @torch.no_grad()
-def verify(model: nn.Module, cache: DynamicCache, tree: DraftTree, past_length: int,
-           capture: FeatureCapture | None = None) -> tuple[Tensor, Tensor | None]:
+def verify(
+    model: nn.Module,
+    cache: DynamicCache,
+    tree: DraftTree,
+    past_length: int,
+    capture: FeatureCapture | None = None,
+) -> tuple[Tensor, Tensor | None]:
     """Score all tree nodes in one target forward.
 
     Args:
@@ -36,17 +41,19 @@ def verify(model: nn.Module, cache: DynamicCache, tree: DraftTree, past_length: 
         logits (N, V) for the token after each node, and features (N, F) or None.
     """
     device = model.device  # a proposal is already there: the copies below are no-ops, not host round trips
-    tokens = tree.tokens.to(device)[None]                                   # (1, N)
-    positions = (past_length + tree.depths).to(device)[None]                # (1, N)
-    mask = None if len(tree) == 1 else tree_attention_mask(tree.ancestors.to(device), past_length,
-                                                           model.dtype)  # fmt: skip
+    tokens = tree.tokens.to(device)[None]  # (1, N)
+    positions = (past_length + tree.depths).to(device)[None]  # (1, N)
+    mask = (
+        None if len(tree) == 1 else tree_attention_mask(tree.ancestors.to(device), past_length, model.dtype)
+    )
     out = model(input_ids=tokens, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True)
     features = capture.features()[0] if capture is not None else None
     return out.logits[0], features
 
 
-def compact_cache(cache: DynamicCache, past_length: int, keep: list[int],
-                  keep_index: Tensor | None = None) -> None:  # fmt: skip
+def compact_cache(
+    cache: DynamicCache, past_length: int, keep: list[int], keep_index: Tensor | None = None
+) -> None:
     """Keep the committed prefix plus the tree nodes `keep` (root-to-node path) in every cache layer.
 
     `keep_index` is `keep` as an int64 tensor on the cache's device, when the caller has one (`generate` does:
@@ -65,8 +72,10 @@ def compact_cache(cache: DynamicCache, past_length: int, keep: list[int],
         length = layer.keys.shape[-2]
         tree_length = length - past_length if tree_length is None else tree_length
         if length != past_length + tree_length:
-            raise NotImplementedError("cache layers differ in length (a sliding window is full); sequences "
-                                      "longer than the sliding window are not supported yet")
+            raise NotImplementedError(
+                "cache layers differ in length (a sliding window is full); sequences "
+                "longer than the sliding window are not supported yet"
+            )
         if not crop:  # move the kept tree entries up behind the prefix (the prefix itself is not copied)
             layer_index = index.to(layer.keys.device)  # a no-op unless the model is split over devices
             layer.keys[..., past_length:end, :] = layer.keys.index_select(-2, layer_index)

@@ -6,5 +6,16 @@ from heads.features import FeatureCapture, find_decoder_layers
 from heads.io import load_heads, save_heads
 from heads.medusa import MedusaConfig, MedusaHeads
 
-__all__ = ["EagleConfig", "EagleHead", "FeatureCapture", "MedusaConfig", "MedusaHeads", "export_head",
-           "find_decoder_layers", "import_head", "load_heads", "save_heads", "validate_export"]
+__all__ = [
+    "EagleConfig",
+    "EagleHead",
+    "FeatureCapture",
+    "MedusaConfig",
+    "MedusaHeads",
+    "export_head",
+    "find_decoder_layers",
+    "import_head",
+    "load_heads",
+    "save_heads",
+    "validate_export",
+]

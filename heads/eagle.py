@@ -27,21 +27,23 @@ HEAD_TYPES = ("eagle1", "eagle3")
 
 @dataclass
 class EagleConfig:
-    head_type: str                       # "eagle1" or "eagle3"
-    hidden_size: int                     # draft width H; equals the target's (EAGLE reuses its embedding)
+    head_type: str  # "eagle1" or "eagle3"
+    hidden_size: int  # draft width H; equals the target's (EAGLE reuses its embedding)
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
     intermediate_size: int
-    vocab_size: int                      # the target's vocabulary V
+    vocab_size: int  # the target's vocabulary V
     target_hidden_size: int | None = None  # width of one tapped target state; None = hidden_size
-    aux_layer_ids: tuple[int, ...] | None = None  # eagle3 taps, output-of-layer convention (heads/features.py)
+    aux_layer_ids: tuple[int, ...] | None = (
+        None  # eagle3 taps, output-of-layer convention (heads/features.py)
+    )
     draft_vocab_size: int | None = None  # eagle3 reduced vocabulary Vd; None = V
     rms_norm_eps: float = 1e-6
     hidden_act: str = "silu"
     max_position_embeddings: int = 8192
     rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
-    fc_bias: bool = False                # EAGLE-1's original fc had a bias; vLLM builds it without one
+    fc_bias: bool = False  # EAGLE-1's original fc had a bias; vLLM builds it without one
     attention_bias: bool = False
 
     def __post_init__(self) -> None:
@@ -86,12 +88,19 @@ class EagleConfig:
     def llama_config(self) -> LlamaConfig:
         """The 1-layer Llama config of the draft layer (also what exports write)."""
         config = LlamaConfig(
-            hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
-            head_dim=self.head_dim, num_hidden_layers=1, vocab_size=self.vocab_size,
-            rms_norm_eps=self.rms_norm_eps, hidden_act=self.hidden_act,
-            max_position_embeddings=self.max_position_embeddings, rope_parameters=dict(self.rope_parameters),
-            attention_bias=self.attention_bias, mlp_bias=False,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            num_hidden_layers=1,
+            vocab_size=self.vocab_size,
+            rms_norm_eps=self.rms_norm_eps,
+            hidden_act=self.hidden_act,
+            max_position_embeddings=self.max_position_embeddings,
+            rope_parameters=dict(self.rope_parameters),
+            attention_bias=self.attention_bias,
+            mlp_bias=False,
         )
         config._attn_implementation = "sdpa"  # the mask is always explicit (heads build it), so sdpa is exact
         return config
@@ -112,7 +121,7 @@ class DraftCache:
     """KV cache of the single draft layer: plain tensors, cropped and re-indexed by the decoder."""
 
     def __init__(self) -> None:
-        self.keys: Tensor | None = None    # (B, kv_heads, S, head_dim)
+        self.keys: Tensor | None = None  # (B, kv_heads, S, head_dim)
         self.values: Tensor | None = None
 
     def __len__(self) -> int:
@@ -133,7 +142,8 @@ class DraftCache:
 
 
 class DraftDecoderLayer(nn.Module):
-    """One Llama decoder layer whose attention reads `attn_input_size` features (H for EAGLE-1, 2H for EAGLE-3)."""
+    """One Llama decoder layer whose attention reads `attn_input_size` features (H for EAGLE-1, 2H for
+    EAGLE-3)."""
 
     def __init__(self, config: LlamaConfig, attn_input_size: int, eagle3: bool) -> None:
         super().__init__()
@@ -142,20 +152,31 @@ class DraftDecoderLayer(nn.Module):
         if attn_input_size != config.hidden_size:
             for name in ("q_proj", "k_proj", "v_proj"):
                 old = getattr(self.self_attn, name)
-                setattr(self.self_attn, name, nn.Linear(attn_input_size, old.out_features, bias=old.bias is not None))
+                setattr(
+                    self.self_attn,
+                    name,
+                    nn.Linear(attn_input_size, old.out_features, bias=old.bias is not None),
+                )
         self.mlp = LlamaMLP(config)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         if eagle3:  # EAGLE-1 has no input_layernorm: its fc output goes straight into attention
             self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
             self.hidden_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, hidden: Tensor, embeds: Tensor | None, position_embeddings: tuple[Tensor, Tensor],
-                attention_mask: Tensor, cache: DraftCache | None) -> Tensor:
+    def forward(
+        self,
+        hidden: Tensor,
+        embeds: Tensor | None,
+        position_embeddings: tuple[Tensor, Tensor],
+        attention_mask: Tensor,
+        cache: DraftCache | None,
+    ) -> Tensor:
         residual = hidden
         if self.eagle3:
             hidden = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # (B, T, 2H)
-        hidden, _ = self.self_attn(hidden, position_embeddings=position_embeddings,
-                                   attention_mask=attention_mask, cache=cache)
+        hidden, _ = self.self_attn(
+            hidden, position_embeddings=position_embeddings, attention_mask=attention_mask, cache=cache
+        )
         hidden = residual + hidden
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
@@ -168,8 +189,11 @@ def causal_mask(query_length: int, past_length: int, dtype: torch.dtype, device:
 
 
 def additive_mask(allowed: Tensor, dtype: torch.dtype) -> Tensor:
-    """Boolean "may attend" -> float mask (0 allowed, dtype-min blocked); boolean masks are wrong under eager."""
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
+    """Boolean "may attend" -> float mask (0 allowed, dtype-min blocked); boolean masks are wrong under
+    eager."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
+        ~allowed, torch.finfo(dtype).min
+    )
 
 
 class EagleHead(nn.Module):
@@ -191,7 +215,9 @@ class EagleHead(nn.Module):
             self.norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
             self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
             vd, v = config.draft_vocab_size, config.vocab_size
-            self.register_buffer("d2t", torch.zeros(vd, dtype=torch.long))  # target_id = draft_id + d2t[draft_id]
+            self.register_buffer(
+                "d2t", torch.zeros(vd, dtype=torch.long)
+            )  # target_id = draft_id + d2t[draft_id]
             t2d = torch.zeros(v, dtype=torch.bool)
             t2d[:vd] = True
             self.register_buffer("t2d", t2d)
@@ -206,12 +232,19 @@ class EagleHead(nn.Module):
         """Target states (B, T, taps*Ht) -> the head's input feature (B, T, H)."""
         return self.fc(target_features) if self.head_type == "eagle3" else target_features
 
-    def forward(self, features: Tensor, input_embeds: Tensor, position_ids: Tensor,
-                cache: DraftCache | None = None, attention_mask: Tensor | None = None) -> Tensor:
+    def forward(
+        self,
+        features: Tensor,
+        input_embeds: Tensor,
+        position_ids: Tensor,
+        cache: DraftCache | None = None,
+        attention_mask: Tensor | None = None,
+    ) -> Tensor:
         """One draft step over T positions.
 
         Args:
-            features: (B, T, H) feature at each position (projected target feature, or the draft's own output).
+            features: (B, T, H) feature at each position (projected target feature, or the draft's own
+            output).
             input_embeds: (B, T, H) target embedding of the NEXT token at each position.
             position_ids: (B, T) positions.
             cache: draft KV cache, extended in place.
@@ -242,14 +275,17 @@ class EagleHead(nn.Module):
 
     @torch.no_grad()
     def set_draft_vocab(self, target_ids: Tensor) -> None:
-        """Use `target_ids` (Vd distinct target ids, e.g. the most frequent in the training data) as draft vocab."""
+        """Use `target_ids` (Vd distinct target ids, e.g. the most frequent in the training data) as draft
+        vocab."""
         if self.head_type != "eagle3":
             raise ValueError("only eagle3 heads have a reduced draft vocabulary")
         target_ids = torch.as_tensor(target_ids, dtype=torch.long).sort().values
         vd = self.config.draft_vocab_size
         if target_ids.numel() != vd or target_ids.unique().numel() != vd:
-            raise ValueError(f"draft vocab needs {vd} distinct ids, got {target_ids.numel()} "
-                             f"({target_ids.unique().numel()} distinct)")
+            raise ValueError(
+                f"draft vocab needs {vd} distinct ids, got {target_ids.numel()} "
+                f"({target_ids.unique().numel()} distinct)"
+            )
         if target_ids.min() < 0 or target_ids.max() >= self.config.vocab_size:
             raise ValueError(f"draft vocab ids must lie in [0, {self.config.vocab_size})")
         self.d2t.copy_(target_ids - torch.arange(vd))
@@ -260,4 +296,6 @@ class EagleHead(nn.Module):
     def init_lm_head_from_target(self, target_lm_weight: Tensor) -> None:
         """EAGLE-3: start the draft lm_head from the target's rows of the draft vocabulary."""
         if self.head_type == "eagle3":
-            self.lm_head.weight.copy_(target_lm_weight[self.to_target_ids(torch.arange(self.config.draft_vocab_size))])
+            self.lm_head.weight.copy_(
+                target_lm_weight[self.to_target_ids(torch.arange(self.config.draft_vocab_size))]
+            )

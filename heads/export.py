@@ -12,9 +12,10 @@ Tap ids. Ours are "output of decoder layer i" (heads/features.py). What engines 
   are in the OUTPUT-of-layer convention, i.e. ours (sglang python/sglang/srt/models/llama.py and
   model_executor/model_runner.py).
 - vLLM reads a top-level `eagle_aux_hidden_state_layer_ids` (vllm/v1/worker/gpu/spec_decode/eagle/
-  eagle3_utils.py: get_eagle3_aux_layers_from_config) and passes it unchanged to `set_aux_hidden_state_layers`;
-  its LlamaModel appends `hidden_states + residual` BEFORE running layer idx: INPUT-to-layer, ours + 1 (its
-  default (2, N/2, N-3) is EAGLE-3's (1, N/2-1, N-4) in our convention). The speculators export writes ours + 1.
+  eagle3_utils.py: get_eagle3_aux_layers_from_config) and passes it unchanged to
+  `set_aux_hidden_state_layers`; its LlamaModel appends `hidden_states + residual` BEFORE running layer idx:
+  INPUT-to-layer, ours + 1 (its default (2, N/2, N-3) is EAGLE-3's (1, N/2-1, N-4) in our convention). The
+  speculators export writes ours + 1.
 """
 
 from __future__ import annotations
@@ -331,9 +332,8 @@ def _eagle_config(config: dict, fmt: str) -> EagleConfig:
     unsupported = [
         k for k in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output") if config.get(k)
     ]
-    if (
-        unsupported
-    ):  # variants our EagleHead does not implement: loading them would draft differently, silently
+    # variants our EagleHead does not implement: loading them would draft differently, silently
+    if unsupported:
         raise ValueError(f"this {fmt} head sets {unsupported}, which selfspec's EagleHead does not implement")
     if fmt == "sglang":
         ids = list(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])

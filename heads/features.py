@@ -62,7 +62,9 @@ class FeatureCapture:
         layers = find_decoder_layers(model)
         for i in self.layer_ids:
             if i != LAST and not 0 <= i < len(layers):
-                raise ValueError(f"tap layer id {i} out of range: the target has {len(layers)} decoder layers")
+                raise ValueError(
+                    f"tap layer id {i} out of range: the target has {len(layers)} decoder layers"
+                )
         self._layers = layers
         self._store: dict[int, Tensor] = {}
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
@@ -72,6 +74,7 @@ class FeatureCapture:
             if not isinstance(output, Tensor):  # a tuple, or the base decoder's ModelOutput
                 output = output[0]
             self._store[key] = output
+
         return record
 
     def __enter__(self) -> Self:
@@ -90,6 +93,8 @@ class FeatureCapture:
         """(B, T, K*H) captured states of the last forward, in `layer_ids` order."""
         missing = [i for i in self.layer_ids if i not in self._store]
         if missing:
-            raise RuntimeError(f"no hidden state captured for tap ids {missing}: run a forward inside the context")
+            raise RuntimeError(
+                f"no hidden state captured for tap ids {missing}: run a forward inside the context"
+            )
         parts = [self._store[i] for i in self.layer_ids]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)

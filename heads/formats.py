@@ -166,8 +166,9 @@ def validate_export(out_dir: str | Path, fmt: str, other_files: bool = False) ->
     if other_files:
         stray = [name for name in present if name not in FILES[fmt] and name.endswith(WEIGHT_SUFFIXES)]
         if stray or not set(FILES[fmt]) <= set(present):
-            errors.append(f"files {present}: expected {sorted(FILES[fmt])}, and no other weight files "
-                          f"(found {stray})")
+            errors.append(
+                f"files {present}: expected {sorted(FILES[fmt])}, and no other weight files (found {stray})"
+            )
     elif present != sorted(FILES[fmt]):
         errors.append(f"files {present}, expected exactly {sorted(FILES[fmt])}")
     try:

@@ -41,13 +41,24 @@ def _text_config(target) -> object:
 
 
 def quantized_layers(module: nn.Module) -> list[str]:
-    """Names of the torch.ao quantized layers under `module` (what `decode.layout.quantize_draft` swaps in)."""
-    return [name for name, layer in module.named_modules()
-            if type(layer).__module__.startswith("torch.ao.nn") and not name.endswith("_packed_params")]
+    """Names of the torch.ao quantized layers under `module` (what `decode.layout.quantize_draft` swaps
+    in)."""
+    return [
+        name
+        for name, layer in module.named_modules()
+        if type(layer).__module__.startswith("torch.ao.nn") and not name.endswith("_packed_params")
+    ]
 
 
-def save_heads(head: Head, path: str | Path, *, base_model: str, base_revision: str | None = None,
-               target=None, extra: dict | None = None) -> Path:
+def save_heads(
+    head: Head,
+    path: str | Path,
+    *,
+    base_model: str,
+    base_revision: str | None = None,
+    target=None,
+    extra: dict | None = None,
+) -> Path:
     """Write an export folder holding exactly `config.json` and `model.safetensors`.
 
     Args:
@@ -62,8 +73,10 @@ def save_heads(head: Head, path: str | Path, *, base_model: str, base_revision: 
     """
     quantized = quantized_layers(head)
     if quantized:  # decode.layout.quantize_draft: int8 copies for decoding, not the trained weights
-        raise ValueError(f"this head holds {len(quantized)} quantized layers ({', '.join(quantized[:3])}, ...): "
-                         "int8 drafts are for decoding only; save the fp32 head")
+        raise ValueError(
+            f"this head holds {len(quantized)} quantized layers ({', '.join(quantized[:3])}, ...): "
+            "int8 drafts are for decoding only; save the fp32 head"
+        )
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     head_config = head.config.to_dict()
@@ -113,8 +126,10 @@ def read_head_config(path: str | Path) -> dict:
         if key not in config:
             raise ValueError(f"{file}: missing key {key!r}")
     if config["format_version"] > FORMAT_VERSION:
-        raise ValueError(f"{file}: format_version {config['format_version']} is newer than this selfspec "
-                         f"reads ({FORMAT_VERSION})")
+        raise ValueError(
+            f"{file}: format_version {config['format_version']} is newer than this selfspec "
+            f"reads ({FORMAT_VERSION})"
+        )
     return config
 
 
@@ -122,23 +137,34 @@ def check_head_matches_target(config: dict, target, where: str = "head") -> None
     """Raise if the head config does not fit the target (hidden size, vocab, architecture, tap depth)."""
     text = _text_config(target)
     head = config["head_config"]
-    checks = [("hidden_size", head.get("target_hidden_size") or head["hidden_size"], text.hidden_size),
-              ("vocab_size", head["vocab_size"], text.vocab_size)]
+    checks = [
+        ("hidden_size", head.get("target_hidden_size") or head["hidden_size"], text.hidden_size),
+        ("vocab_size", head["vocab_size"], text.vocab_size),
+    ]
     if config.get("base_model_type") is not None:
         checks.append(("model_type", config["base_model_type"], text.model_type))
     if config.get("base_num_hidden_layers") is not None:  # same width, other depth: the features differ
         checks.append(("num_hidden_layers", config["base_num_hidden_layers"], text.num_hidden_layers))
     for key, ours, theirs in checks:
         if ours != theirs:
-            raise ValueError(f"{where} was built for a target with {key}={ours!r}, but this target has "
-                             f"{key}={theirs!r} (base_model={config.get('base_model')!r})")
+            raise ValueError(
+                f"{where} was built for a target with {key}={ours!r}, but this target has "
+                f"{key}={theirs!r} (base_model={config.get('base_model')!r})"
+            )
     for layer in head.get("aux_layer_ids") or ():
         if not 0 <= layer < text.num_hidden_layers:
-            raise ValueError(f"{where} taps layer {layer}, but the target has {text.num_hidden_layers} layers")
+            raise ValueError(
+                f"{where} taps layer {layer}, but the target has {text.num_hidden_layers} layers"
+            )
 
 
-def load_heads(path: str | Path, target=None, *, dtype: torch.dtype | None = None,
-               device: str | torch.device | None = None) -> Head:
+def load_heads(
+    path: str | Path,
+    target=None,
+    *,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device | None = None,
+) -> Head:
     """Load an export folder written by `save_heads`.
 
     Args:
@@ -177,10 +203,12 @@ def _load_state_strict(head: nn.Module, state: dict, source: Path) -> None:
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
-        raise ValueError(f"{source}: keys do not match a {head.head_type} head: missing {missing}, "
-                         f"unexpected {unexpected}")
+        raise ValueError(
+            f"{source}: keys do not match a {head.head_type} head: missing {missing}, unexpected {unexpected}"
+        )
     for key, tensor in state.items():
         if tensor.shape != expected[key].shape:
-            raise ValueError(f"{source}: {key} has shape {tuple(tensor.shape)}, expected "
-                             f"{tuple(expected[key].shape)}")
+            raise ValueError(
+                f"{source}: {key} has shape {tuple(tensor.shape)}, expected {tuple(expected[key].shape)}"
+            )
     head.load_state_dict(state, strict=True)

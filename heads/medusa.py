@@ -1,4 +1,5 @@
-"""Medusa draft heads (Cai et al. 2401.10774, section 2.1): K residual heads on the target's last hidden state.
+"""Medusa draft heads (Cai et al. 2401.10774, section 2.1): K residual heads on the target's last hidden
+state.
 
 Head k (0-based) reads the target's final hidden state at position t and predicts token t + k + 2, i.e. the
 token after the one the target's own lm_head predicts.
@@ -16,10 +17,10 @@ from heads.features import LAST
 
 @dataclass
 class MedusaConfig:
-    hidden_size: int          # the target's hidden size H
-    vocab_size: int           # the target's vocabulary V
-    num_heads: int = 4        # K draft heads; head k predicts k + 2 tokens ahead
-    num_layers: int = 1       # ResBlocks per head (Medusa paper: 1)
+    hidden_size: int  # the target's hidden size H
+    vocab_size: int  # the target's vocabulary V
+    num_heads: int = 4  # K draft heads; head k predicts k + 2 tokens ahead
+    num_layers: int = 1  # ResBlocks per head (Medusa paper: 1)
     share_lm_head: bool = False  # True: project with the target's frozen lm_head instead of a trained copy
 
     def to_dict(self) -> dict:
@@ -52,8 +53,12 @@ class MedusaHeads(nn.Module):
             nn.Sequential(*(ResBlock(config.hidden_size) for _ in range(config.num_layers)))
             for _ in range(config.num_heads)
         )
-        self.lm_heads = None if config.share_lm_head else nn.ModuleList(
-            nn.Linear(config.hidden_size, config.vocab_size, bias=False) for _ in range(config.num_heads)
+        self.lm_heads = (
+            None
+            if config.share_lm_head
+            else nn.ModuleList(
+                nn.Linear(config.hidden_size, config.vocab_size, bias=False) for _ in range(config.num_heads)
+            )
         )
 
     @property
@@ -67,8 +72,10 @@ class MedusaHeads(nn.Module):
             return
         for proj in self.lm_heads:
             if proj.weight.shape != lm_head_weight.shape:
-                raise ValueError(f"lm_head shape {tuple(lm_head_weight.shape)} != head projection "
-                                 f"{tuple(proj.weight.shape)}")
+                raise ValueError(
+                    f"lm_head shape {tuple(lm_head_weight.shape)} != head projection "
+                    f"{tuple(proj.weight.shape)}"
+                )
             proj.weight.copy_(lm_head_weight)
 
     def head_logits(self, k: int, hidden_states: Tensor, lm_head: nn.Module | None = None) -> Tensor:
@@ -89,6 +96,7 @@ class MedusaHeads(nn.Module):
         """
         if self.lm_heads is None and lm_head is None:
             raise ValueError("these Medusa heads share the target's lm_head: pass lm_head=")
-        if self.lm_heads is None:  # one K-row pass of the shared lm_head: on a CPU much cheaper than K one-row passes
+        # one K-row pass of the shared lm_head: on a CPU much cheaper than K one-row passes
+        if self.lm_heads is None:
             return lm_head(torch.stack([block(hidden_states) for block in self.blocks]))
         return torch.stack([proj(block(hidden_states)) for block, proj in zip(self.blocks, self.lm_heads)])

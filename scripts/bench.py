@@ -2,7 +2,8 @@
 head type against plain decoding and transformers' prompt-lookup decoding, measured in one process.
 
     python scripts/bench.py --eagle3 runs/eagle3/head --eagle1 runs/eagle1/head --medusa1 runs/medusa1/head \\
-        --medusa2 runs/medusa2 --prompts 4 --max-new-tokens 96 --temperatures 0 1 --size-tree --out results/bench
+        --medusa2 runs/medusa2 --prompts 4 --max-new-tokens 96 --temperatures 0 1 --size-tree --out
+        results/bench
 
 Prompts (never trained on): chat and instruction-following from data/smollm2/prompts_eval.jsonl (the first
 --prompts of each category), code from prompts_code_eval.jsonl (HumanEval). Tree sizing calibrates on the LAST
@@ -13,10 +14,11 @@ temperature 0 every output is compared token for token with plain decoding (coun
 column, and a warning names each mismatch);
 at temperature > 0 the methods use the lossless rule (decode/accept.py) with pure temperature sampling
 (top_p=1, top_k=0), and prompt lookup samples from the same distribution. Metrics (REFERENCE section 4):
-tau = tokens per target forward INCLUDING the bonus token (plain = 1), pooled over prompts; acceptance at depth
-d = P(depth d accepted | depth d-1 accepted); speedup = tokens/s of the method / tokens/s of plain decoding
-over the same prompts. Medusa-2 decodes its LoRA-merged target, and its speedup is over plain decoding of
-that same merged target. Writes bench.md, bench.json, acceptance.png and speedup_vs_tree.png to --out.
+tau = tokens per target forward INCLUDING the bonus token (plain = 1), pooled over prompts; acceptance at
+depth d = P(depth d accepted | depth d-1 accepted); speedup = tokens/s of the method / tokens/s of plain
+decoding over the same prompts. Medusa-2 decodes its LoRA-merged target, and its speedup is over plain
+decoding of that same merged target. Writes bench.md, bench.json, acceptance.png and speedup_vs_tree.png to
+--out.
 """
 
 from __future__ import annotations
@@ -95,12 +97,20 @@ class Tally:
             rates.append(count / prev if prev else 0.0)
             prev = count
         tok_s, plain_tok_s = self.tokens / self.seconds, self.plain_tokens / self.plain_seconds
-        return {"tau": self.emitted / self.steps if self.steps else 1.0, "acceptance_per_depth": rates,
-                "tokens_per_second": tok_s, "plain_tokens_per_second": plain_tok_s, "speedup": tok_s / plain_tok_s,
-                "speedup_median_of_prompts": statistics.median(self.ratios),
-                "draft_nodes_per_step": None if self.draft_nodes is None else self.draft_nodes / max(self.steps, 1),
-                "tokens": self.tokens, "prompts": len(self.ratios),
-                "identical_to_plain": sum(self.identical)}  # fmt: skip
+        return {
+            "tau": self.emitted / self.steps if self.steps else 1.0,
+            "acceptance_per_depth": rates,
+            "tokens_per_second": tok_s,
+            "plain_tokens_per_second": plain_tok_s,
+            "speedup": tok_s / plain_tok_s,
+            "speedup_median_of_prompts": statistics.median(self.ratios),
+            "draft_nodes_per_step": None
+            if self.draft_nodes is None
+            else self.draft_nodes / max(self.steps, 1),
+            "tokens": self.tokens,
+            "prompts": len(self.ratios),
+            "identical_to_plain": sum(self.identical),
+        }
 
 
 def load_prompts(n: int, calibration: int) -> tuple[dict[str, list[dict]], list[dict]]:
@@ -110,13 +120,18 @@ def load_prompts(n: int, calibration: int) -> tuple[dict[str, list[dict]], list[
     instruction = [r for r in rows if r["source"] not in CHAT_SOURCES]
     code = [json.loads(line) for line in (DATA / "prompts_code_eval.jsonl").read_text().splitlines()]
     if n + calibration > len(chat):
-        raise SystemExit(f"--prompts {n} + --calibration-prompts {calibration} exceed the {len(chat)} chat prompts")
-    return {"chat": chat[:n], "instruction": instruction[:n], "code": code[:n]}, chat[len(chat) - calibration :]
+        raise SystemExit(
+            f"--prompts {n} + --calibration-prompts {calibration} exceed the {len(chat)} chat prompts"
+        )
+    return {"chat": chat[:n], "instruction": instruction[:n], "code": code[:n]}, chat[
+        len(chat) - calibration :
+    ]
 
 
 def prompt_ids(tokenizer, row: dict) -> torch.Tensor:
-    return tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True, return_dict=True,
-                                         return_tensors="pt")["input_ids"]  # fmt: skip
+    return tokenizer.apply_chat_template(
+        row["messages"], add_generation_prompt=True, return_dict=True, return_tensors="pt"
+    )["input_ids"]
 
 
 class PassCounter:
@@ -135,16 +150,25 @@ class PassCounter:
 
 
 def run_lookup(model, ids: torch.Tensor, max_new_tokens: int, temperature: float, seed: int) -> dict:
-    """transformers' prompt-lookup decoding; sampling draws from the pure-temperature target distribution. As for
-    ours, tau and acceptance leave out the prefill pass and what it emitted."""
-    sampling = {"do_sample": True, "temperature": temperature, "top_p": 1.0, "top_k": 0} if temperature > 0 else \
-        {"do_sample": False}  # fmt: skip
+    """transformers' prompt-lookup decoding; sampling draws from the pure-temperature target distribution. As
+    for ours, tau and acceptance leave out the prefill pass and what it emitted."""
+    sampling = (
+        {"do_sample": True, "temperature": temperature, "top_p": 1.0, "top_k": 0}
+        if temperature > 0
+        else {"do_sample": False}
+    )
     counter = PassCounter()
     torch.manual_seed(seed)
     synchronize(model.device)  # CUDA runs asynchronously: time finished work only (`generate` does the same)
     start = time.perf_counter()
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                         prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS, streamer=counter, **sampling)  # fmt: skip
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS,
+        streamer=counter,
+        **sampling,
+    )
     synchronize(model.device)
     seconds = time.perf_counter() - start
     passes = counter.puts[1:]  # tokens emitted per forward: prefill first, then one entry per verify pass
@@ -153,19 +177,40 @@ def run_lookup(model, ids: torch.Tensor, max_new_tokens: int, temperature: float
         for depth in range(emitted - 1):  # emitted - 1 drafts were accepted in that pass
             per_depth += [0] * (depth + 1 - len(per_depth))
             per_depth[depth] += 1
-    return {"sequences": out.cpu(), "tokens": out.shape[1] - ids.shape[1], "seconds": seconds,
-            "steps": len(passes) - 1, "emitted": sum(passes[1:]), "per_depth": per_depth,
-            "draft_nodes": None}  # fmt: skip
+    return {
+        "sequences": out.cpu(),
+        "tokens": out.shape[1] - ids.shape[1],
+        "seconds": seconds,
+        "steps": len(passes) - 1,
+        "emitted": sum(passes[1:]),
+        "per_depth": per_depth,
+        "draft_nodes": None,
+    }
 
 
-def run_ours(model, ids: torch.Tensor, method: Method, max_new_tokens: int, temperature: float, seed: int) -> dict:
+def run_ours(
+    model, ids: torch.Tensor, method: Method, max_new_tokens: int, temperature: float, seed: int
+) -> dict:
     """`decode.generate`; its `seconds` are timed between device synchronisations."""
     pack_for_tree(model, method.heads, method.tree)  # untimed: only pretransposed modules are packed
-    out = generate(model, ids, method.heads, max_new_tokens=max_new_tokens, temperature=temperature,
-                   tree=method.tree, seed=seed)  # fmt: skip
-    return {"sequences": out.sequences.cpu(), "tokens": out.new_tokens, "seconds": out.seconds, "steps": out.steps,
-            "emitted": out.new_tokens - 1, "per_depth": out.accepted_per_depth,
-            "draft_nodes": out.draft_nodes}  # fmt: skip
+    out = generate(
+        model,
+        ids,
+        method.heads,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        tree=method.tree,
+        seed=seed,
+    )
+    return {
+        "sequences": out.sequences.cpu(),
+        "tokens": out.new_tokens,
+        "seconds": out.seconds,
+        "steps": out.steps,
+        "emitted": out.new_tokens - 1,
+        "per_depth": out.accepted_per_depth,
+        "draft_nodes": out.draft_nodes,
+    }
 
 
 def as_tree(tree) -> DynamicTree | list[tuple[int, ...]]:
@@ -175,23 +220,41 @@ def as_tree(tree) -> DynamicTree | list[tuple[int, ...]]:
     return [tuple(p) for p in (DEFAULT_TREES[tree] if isinstance(tree, str) else tree)]
 
 
-def sizing_record(calibration: Calibration, methods: list[Method], heads, label: str) -> tuple[dict, Method | None]:
+def sizing_record(
+    calibration: Calibration, methods: list[Method], heads, label: str
+) -> tuple[dict, Method | None]:
     """The JSON record of one tree sizing (with the fixed trees' predictions) and the method that decodes with
-    the chosen tree; no method when nothing was ever accepted on the calibration prompts (no tree can help)."""
+    the chosen tree; no method when nothing was ever accepted on the calibration prompts (no tree can
+    help)."""
     plain = calibration.plain_tokens_per_second
 
     def entry(tree, prediction: dict) -> dict:
-        return {"tree": tree_label(tree), "draft_nodes": prediction["draft_nodes"], "depth": prediction["depth"],
-                "top_k": prediction["top_k"], "expected_tokens": prediction["expected_tokens"],
-                "verify_ms": 1e3 * prediction["verify_seconds"], "propose_ms": 1e3 * prediction["propose_seconds"],
-                "predicted_speedup": prediction["tokens_per_second"] / plain}  # fmt: skip
+        return {
+            "tree": tree_label(tree),
+            "draft_nodes": prediction["draft_nodes"],
+            "depth": prediction["depth"],
+            "top_k": prediction["top_k"],
+            "expected_tokens": prediction["expected_tokens"],
+            "verify_ms": 1e3 * prediction["verify_seconds"],
+            "propose_ms": 1e3 * prediction["propose_seconds"],
+            "predicted_speedup": prediction["tokens_per_second"] / plain,
+        }
 
-    fixed = {m.name: entry(as_tree(m.tree), calibration.predict(as_tree(m.tree))) for m in methods if m.heads is heads}
-    candidates = [entry(as_tree(c.tree), {**vars(c), "tokens_per_second": c.tokens_per_second})
-                  for c in calibration.candidates]  # fmt: skip
-    record = {"acceptance_per_rank": calibration.acceptance,
-              "verify_ms": {n: 1e3 * s for n, s in calibration.verify_cost.items()},
-              "fixed_trees": fixed, "candidates": candidates}  # fmt: skip
+    fixed = {
+        m.name: entry(as_tree(m.tree), calibration.predict(as_tree(m.tree)))
+        for m in methods
+        if m.heads is heads
+    }
+    candidates = [
+        entry(as_tree(c.tree), {**vars(c), "tokens_per_second": c.tokens_per_second})
+        for c in calibration.candidates
+    ]
+    record = {
+        "acceptance_per_rank": calibration.acceptance,
+        "verify_ms": {n: 1e3 * s for n, s in calibration.verify_cost.items()},
+        "fixed_trees": fixed,
+        "candidates": candidates,
+    }
     if not candidates:
         record["chosen"] = "none: no draft was accepted on the calibration prompts, plain decoding is best"
         return record, None
@@ -255,14 +318,18 @@ def plots(results: dict, out: Path) -> list[str]:
 
 def build_methods(args, model) -> tuple[list[Method], dict, dict]:
     """The methods to compare, the loaded heads by name, and the targets ("medusa2": the LoRA-merged one)."""
-    loaded = {name: load_heads(path, target=model) for name, path in
-              (("medusa1", args.medusa1), ("eagle1", args.eagle1), ("eagle3", args.eagle3)) if path}  # fmt: skip
+    loaded = {
+        name: load_heads(path, target=model)
+        for name, path in (("medusa1", args.medusa1), ("eagle1", args.eagle1), ("eagle3", args.eagle3))
+        if path
+    }
     targets = {"base": model}
     methods = [Method("prompt lookup", kind="lookup", tree_label=f"{PROMPT_LOOKUP_TOKENS} tokens")]
     if args.medusa2:
         targets["medusa2"] = merge_lora(load_target(args.model)[0], Path(args.medusa2) / "lora")
         loaded["medusa2"] = load_heads(Path(args.medusa2) / "head", target=targets["medusa2"])
-    for name, heads in loaded.items() if args.int8_draft else ():  # the target (and plain decoding) stays fp32
+    # the target (and plain decoding) stays fp32
+    for name, heads in loaded.items() if args.int8_draft else ():
         quantize_draft(heads, targets["medusa2" if name == "medusa2" else "base"])
     for name, label, target in (("medusa1", "Medusa-1", "base"), ("medusa2", "Medusa-2", "medusa2")):
         if name in loaded:
@@ -276,68 +343,123 @@ def build_methods(args, model) -> tuple[list[Method], dict, dict]:
         methods.append(Method("EAGLE-3 dynamic", loaded["eagle3"], DEFAULT_EAGLE_TREE, tree_label=dynamic))
         for depth, top_k, total in args.eagle3_tree or ():
             tree = DynamicTree(depth=depth, top_k=top_k, total_tokens=total)
-            methods.append(Method(f"EAGLE-3 dynamic {depth}/{top_k}/{total}", loaded["eagle3"], tree,
-                                  tree_label=tree_label(tree)))  # fmt: skip
+            methods.append(
+                Method(
+                    f"EAGLE-3 dynamic {depth}/{top_k}/{total}",
+                    loaded["eagle3"],
+                    tree,
+                    tree_label=tree_label(tree),
+                )
+            )
     return methods, loaded, targets
 
 
 @torch.no_grad()  # a decorator, not set_grad_enabled(False): callers (tests) get their grad mode back
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default=DEFAULT_TARGET)
     parser.add_argument("--eagle3", help="EAGLE-3 head folder")
     parser.add_argument("--eagle1", help="EAGLE-1 head folder")
     parser.add_argument("--medusa1", help="Medusa-1 head folder")
     parser.add_argument("--medusa2", help="Medusa-2 run folder (holding head/ and lora/)")
-    parser.add_argument("--eagle3-tree", type=int, nargs=3, action="append", metavar=("DEPTH", "TOP_K", "TOTAL"),
-                        help="one more EAGLE-3 dynamic tree to decode with (repeatable)")
+    parser.add_argument(
+        "--eagle3-tree",
+        type=int,
+        nargs=3,
+        action="append",
+        metavar=("DEPTH", "TOP_K", "TOTAL"),
+        help="one more EAGLE-3 dynamic tree to decode with (repeatable)",
+    )
     parser.add_argument("--prompts", type=int, default=4, help="prompts per category")
     parser.add_argument("--calibration-prompts", type=int, default=4, help="chat prompts for --size-tree")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
-    parser.add_argument("--size-tree", action="store_true", help="add cost-model-sized trees (EAGLE-3, Medusa-1)")
-    parser.add_argument("--medusa1-tree", type=int, action="append", metavar="NODES",
-                        help="one more Medusa-1 static tree: the NODES most probable nodes under the acceptance that "
-                             "--size-tree measured (repeatable; needs --size-tree)")
+    parser.add_argument(
+        "--size-tree", action="store_true", help="add cost-model-sized trees (EAGLE-3, Medusa-1)"
+    )
+    parser.add_argument(
+        "--medusa1-tree",
+        type=int,
+        action="append",
+        metavar="NODES",
+        help="one more Medusa-1 static tree: the NODES most probable nodes under the acceptance that "
+        "--size-tree measured (repeatable; needs --size-tree)",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="timing repeats of the cost measurements")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-pretranspose", action="store_true",
-                        help="keep the standard weight layout (decode/layout.py) for every method, plain included")
-    parser.add_argument("--int8-draft", action="store_true",
-                        help="decode with int8 draft heads (decode/layout.py quantize_draft); the target stays fp32")
+    parser.add_argument(
+        "--no-pretranspose",
+        action="store_true",
+        help="keep the standard weight layout (decode/layout.py) for every method, plain included",
+    )
+    parser.add_argument(
+        "--int8-draft",
+        action="store_true",
+        help="decode with int8 draft heads (decode/layout.py quantize_draft); the target stays fp32",
+    )
     parser.add_argument("--out", type=Path, default=Path("results/bench"))
     args = parser.parse_args(argv)
     if args.medusa1_tree and not (args.size_tree and args.medusa1):
-        parser.error("--medusa1-tree needs --size-tree and --medusa1 (it builds trees from the measured acceptance)")
+        parser.error(
+            "--medusa1-tree needs --size-tree and --medusa1 (it builds trees from the measured acceptance)"
+        )
     if args.threads:
         torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
     model, tokenizer = load_target(args.model)
     methods, loaded, targets = build_methods(args, model)
-    if not args.no_pretranspose:  # the same layout for every method: plain decoding's 1-row passes are unchanged
+    # the same layout for every method: plain decoding's 1-row passes are unchanged
+    if not args.no_pretranspose:
         added = sum(pretranspose_linears(module) for module in (*targets.values(), *loaded.values()))
-        print(f"pretransposed Linear weights for multi-token passes: +{added / 2**20:.0f} MiB", file=sys.stderr)
+        print(
+            f"pretransposed Linear weights for multi-token passes: +{added / 2**20:.0f} MiB", file=sys.stderr
+        )
     prompts, calibration = load_prompts(args.prompts, args.calibration_prompts if args.size_tree else 0)
-    results: dict = {"command": "python scripts/bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                     "model": args.model, "threads": torch.get_num_threads(), "max_new_tokens": args.max_new_tokens,
-                     "torch": torch.__version__, "transformers": transformers.__version__,
-                     "machine": platform.processor() or platform.machine(), "pretransposed": not args.no_pretranspose,
-                     "int8_draft": sorted(name for name, heads in loaded.items() if is_int8_draft(heads)),
-                     "rows": [], "sizing": {}}  # fmt: skip
+    results: dict = {
+        "command": "python scripts/bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "model": args.model,
+        "threads": torch.get_num_threads(),
+        "max_new_tokens": args.max_new_tokens,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "machine": platform.processor() or platform.machine(),
+        "pretransposed": not args.no_pretranspose,
+        "int8_draft": sorted(name for name, heads in loaded.items() if is_int8_draft(heads)),
+        "rows": [],
+        "sizing": {},
+    }
 
     # 1. cost-model tree sizing on the calibration prompts (disjoint from the benchmark prompts)
     for name, label in (("eagle3", "EAGLE-3 sized"), ("medusa1", "Medusa-1 sized")) if args.size_tree else ():
         if name in loaded:
-            print(f"sizing the {name} tree on {len(calibration)} calibration prompts ...", file=sys.stderr, flush=True)
-            sizing = calibrate(model, loaded[name], [prompt_ids(tokenizer, row) for row in calibration],
-                               max_new_tokens=args.max_new_tokens, verify_sizes=VERIFY_SIZES, repeats=args.repeats)
+            print(
+                f"sizing the {name} tree on {len(calibration)} calibration prompts ...",
+                file=sys.stderr,
+                flush=True,
+            )
+            sizing = calibrate(
+                model,
+                loaded[name],
+                [prompt_ids(tokenizer, row) for row in calibration],
+                max_new_tokens=args.max_new_tokens,
+                verify_sizes=VERIFY_SIZES,
+                repeats=args.repeats,
+            )
             results["sizing"][name], method = sizing_record(sizing, methods, loaded[name], label)
             methods += [method] if method is not None else []
             for nodes in (args.medusa1_tree or []) if name == "medusa1" else []:
                 _, paths = best_tree(sizing.acceptance, nodes, max_depth=loaded[name].config.num_heads)
-                methods.append(Method(f"Medusa-1 {nodes} nodes", loaded[name], paths,
-                                      tree_label="measured acceptance: " + tree_label(paths)))
+                methods.append(
+                    Method(
+                        f"Medusa-1 {nodes} nodes",
+                        loaded[name],
+                        paths,
+                        tree_label="measured acceptance: " + tree_label(paths),
+                    )
+                )
 
     # 2. the benchmark: per temperature, category and prompt, plain then every method in a rotating order
     tallies = run_benchmark(args, tokenizer, targets, methods, prompts)
@@ -361,8 +483,9 @@ def main(argv: list[str] | None = None) -> dict:
     return results
 
 
-def run_method(targets: dict, method: Method, ids: torch.Tensor, max_new_tokens: int, temperature: float,
-               seed: int) -> dict:  # fmt: skip
+def run_method(
+    targets: dict, method: Method, ids: torch.Tensor, max_new_tokens: int, temperature: float, seed: int
+) -> dict:
     if method.kind == "lookup":
         return run_lookup(targets[method.target], ids, max_new_tokens, temperature, seed)
     return run_ours(targets[method.target], ids, method, max_new_tokens, temperature, seed)
@@ -370,7 +493,9 @@ def run_method(targets: dict, method: Method, ids: torch.Tensor, max_new_tokens:
 
 def run_benchmark(args, tokenizer, targets: dict, methods: list[Method], prompts: dict) -> dict:
     """{(method, temperature, category or "all"): Tally}. One warm-up run per method first (not recorded)."""
-    plains = [Method("plain (base)")] + ([Method("plain (medusa2)", target="medusa2")] if "medusa2" in targets else [])
+    plains = [Method("plain (base)")] + (
+        [Method("plain (medusa2)", target="medusa2")] if "medusa2" in targets else []
+    )
     order = plains + methods
     warm_ids = prompt_ids(tokenizer, prompts["chat"][0])
     for method in order:
@@ -381,32 +506,50 @@ def run_benchmark(args, tokenizer, targets: dict, methods: list[Method], prompts
         for category, rows in prompts.items():
             for index, row in enumerate(rows):
                 ids, seed, shift = prompt_ids(tokenizer, row), args.seed + index, index % len(order)
-                outputs = {m.name: run_method(targets, m, ids, args.max_new_tokens, temperature, seed)
-                           for m in order[shift:] + order[:shift]}  # fmt: skip
+                outputs = {
+                    m.name: run_method(targets, m, ids, args.max_new_tokens, temperature, seed)
+                    for m in order[shift:] + order[:shift]
+                }
                 for method in methods:
                     plain = outputs[f"plain ({method.target})"]
                     for key in ((method.name, temperature, category), (method.name, temperature, "all")):
                         tallies.setdefault(key, Tally()).add(outputs[method.name], plain)
-                    if temperature == 0 and not torch.equal(outputs[method.name]["sequences"], plain["sequences"]):
-                        print(f"WARNING: {method.name} on {row['id']} differs from plain greedy decoding",
-                              file=sys.stderr)  # fmt: skip
+                    if temperature == 0 and not torch.equal(
+                        outputs[method.name]["sequences"], plain["sequences"]
+                    ):
+                        print(
+                            f"WARNING: {method.name} on {row['id']} differs from plain greedy decoding",
+                            file=sys.stderr,
+                        )
                 done += 1
-                print(f"[{done}/{total}] T={temperature:g} {category} {row['id']}: " + ", ".join(
-                    f"{m.name} {outputs[m.name]['tokens'] / outputs[m.name]['seconds']:.1f} tok/s" for m in order),
-                      file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    f"[{done}/{total}] T={temperature:g} {category} {row['id']}: "
+                    + ", ".join(
+                        f"{m.name} {outputs[m.name]['tokens'] / outputs[m.name]['seconds']:.1f} tok/s"
+                        for m in order
+                    ),
+                    file=sys.stderr,
+                    flush=True,
+                )
     return tallies
 
 
 def render(results: dict, args) -> str:
-    parts = [f"Command: `{results['command']}`\n",
-             (f"Target {results['model']}, fp32, {results['threads']} threads, {results['max_new_tokens']} new tokens "
-             f"at most, torch {results['torch']}, transformers {results['transformers']}, Linear weights "
-             f"{'pretransposed for multi-token passes' if results['pretransposed'] else 'in the standard layout'}, "
-             f"{'int8 draft heads (EAGLE fc in fp32)' if results.get('int8_draft') else 'fp32 draft heads'}. "
-             "Cells: tau (tokens per "
-             "target forward, bonus token included) / speedup (method tok/s over plain tok/s on the same prompts, "
-             "pooled) (median of per-prompt speedups). Temperature 0: outputs compared token for token with plain "
-             "greedy decoding (column `same as plain`); temperature > 0: the lossless rule.")]  # fmt: skip
+    parts = [
+        f"Command: `{results['command']}`\n",
+        (
+            f"Target {results['model']}, fp32, {results['threads']} threads, {results['max_new_tokens']} "
+            f"new tokens at most, torch {results['torch']}, transformers {results['transformers']}, Linear "
+            "weights "
+            f"{'pretransposed for multi-token passes' if results['pretransposed'] else 'as loaded'}"
+            ", "
+            f"{'int8 draft heads (EAGLE fc in fp32)' if results.get('int8_draft') else 'fp32 draft heads'}. "
+            "Cells: tau (tokens per target forward, bonus token included) / speedup (method tok/s over plain "
+            "tok/s on the same prompts, pooled) (median of per-prompt speedups). Temperature 0: outputs "
+            "compared token for token with plain greedy decoding (column `same as plain`); temperature > 0: "
+            "the lossless rule."
+        ),
+    ]
     cats = ["chat", "instruction", "code", "all"]
     for temperature in args.temperatures:
         rows = [r for r in results["rows"] if r["temperature"] == temperature]
@@ -415,27 +558,67 @@ def render(results: dict, args) -> str:
             cell = {r["category"]: r for r in rows if r["method"] == name}
             total = cell["all"]
             same = f"{total['identical_to_plain']}/{total['prompts']}" if temperature == 0 else "n/a"
-            table.append([name, total["tree"]]
-                         + [f"{cell[c]['tau']:.2f} / {cell[c]['speedup']:.2f}x "
-                            f"({cell[c]['speedup_median_of_prompts']:.2f}x)" for c in cats if c in cell]
-                         + [f"{total['tokens_per_second']:.1f}", f"{total['plain_tokens_per_second']:.1f}",
-                            " ".join(f"{a:.2f}" for a in total["acceptance_per_depth"]) or "n/a", same])  # fmt: skip
+            table.append(
+                [name, total["tree"]]
+                + [
+                    f"{cell[c]['tau']:.2f} / {cell[c]['speedup']:.2f}x "
+                    f"({cell[c]['speedup_median_of_prompts']:.2f}x)"
+                    for c in cats
+                    if c in cell
+                ]
+                + [
+                    f"{total['tokens_per_second']:.1f}",
+                    f"{total['plain_tokens_per_second']:.1f}",
+                    " ".join(f"{a:.2f}" for a in total["acceptance_per_depth"]) or "n/a",
+                    same,
+                ]
+            )
         parts.append(f"\n### Temperature {temperature:g}: tau / speedup per category\n")
-        parts.append(markdown(["method", "tree", *cats, "tok/s (all)", "plain tok/s (all)",
-                               "acceptance per depth (all)", "same as plain"], table))  # fmt: skip
+        parts.append(
+            markdown(
+                [
+                    "method",
+                    "tree",
+                    *cats,
+                    "tok/s (all)",
+                    "plain tok/s (all)",
+                    "acceptance per depth (all)",
+                    "same as plain",
+                ],
+                table,
+            )
+        )
     for name, sizing in results["sizing"].items():
         parts.append(f"\n### Cost-model tree sizing for {name}\n")
         costs = ", ".join(f"n={n}: {ms:.1f}" for n, ms in sizing["verify_ms"].items())
-        ranks = "; ".join(f"d{d + 1}: " + " ".join(f"{a:.2f}" for a in row)
-                          for d, row in enumerate(sizing["acceptance_per_rank"]))  # fmt: skip
-        parts.append(f"Verify cost C_T(n) ms: {costs}\n\nAcceptance per (depth, rank), calibration prompts: {ranks}")
+        ranks = "; ".join(
+            f"d{d + 1}: " + " ".join(f"{a:.2f}" for a in row)
+            for d, row in enumerate(sizing["acceptance_per_rank"])
+        )
+        parts.append(
+            f"Verify cost C_T(n) ms: {costs}\n\nAcceptance per (depth, rank), calibration prompts: {ranks}"
+        )
         parts.append(f"\nChosen tree: **{sizing['chosen']}**\n")
         labelled = [(f"{name} (fixed default): {c['tree']}", c) for name, c in sizing["fixed_trees"].items()]
-        labelled += [(("**chosen**: " if i == 0 else "") + c["tree"], c)
-                     for i, c in enumerate(sizing["candidates"][:6])]  # fmt: skip
-        parts.append(markdown(["tree", "E[tokens]/step", "C_T(n+1) ms", "draft ms", "predicted speedup"],
-                              [[label, f"{c['expected_tokens']:.2f}", f"{c['verify_ms']:.1f}", f"{c['propose_ms']:.1f}",
-                                f"{c['predicted_speedup']:.2f}x"] for label, c in labelled]))  # fmt: skip
+        labelled += [
+            (("**chosen**: " if i == 0 else "") + c["tree"], c)
+            for i, c in enumerate(sizing["candidates"][:6])
+        ]
+        parts.append(
+            markdown(
+                ["tree", "E[tokens]/step", "C_T(n+1) ms", "draft ms", "predicted speedup"],
+                [
+                    [
+                        label,
+                        f"{c['expected_tokens']:.2f}",
+                        f"{c['verify_ms']:.1f}",
+                        f"{c['propose_ms']:.1f}",
+                        f"{c['predicted_speedup']:.2f}x",
+                    ]
+                    for label, c in labelled
+                ],
+            )
+        )
     return "\n".join(parts) + "\n"
 
 

@@ -35,8 +35,16 @@ def main(cfg: EagleRunConfig, batch_size: int = 8, shard_size: int = 32) -> None
     overrides = {"aux_layer_ids": tuple(cfg.eagle.aux_layer_ids)} if cfg.eagle.aux_layer_ids else {}
     head_config = EagleConfig.from_target(target.config, cfg.eagle.head_type, **overrides)
     layers = (-1,) if head_config.head_type == "eagle1" else head_config.aux_layer_ids
-    dump_hidden_states(target, train_set, tuple(layers), cfg.data.offline_dir, shard_size=shard_size,
-                       dtype=TORCH_DTYPES[cfg.model.dtype], batch_size=batch_size, accelerator=accelerator)
+    dump_hidden_states(
+        target,
+        train_set,
+        tuple(layers),
+        cfg.data.offline_dir,
+        shard_size=shard_size,
+        dtype=TORCH_DTYPES[cfg.model.dtype],
+        batch_size=batch_size,
+        accelerator=accelerator,
+    )
     accelerator.end_training()
 
 

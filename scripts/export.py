@@ -1,6 +1,7 @@
 """Export a trained head folder to a serving engine's layout (thin wrapper over heads.export.export_head).
 
-python scripts/export.py <head dir> --to {sglang,speculators,eagle1,medusa,medusa-vllm} --out DIR [--target NAME]
+python scripts/export.py <head dir> --to {sglang,speculators,eagle1,medusa,medusa-vllm} --out DIR [--target
+NAME]
 """
 
 from __future__ import annotations

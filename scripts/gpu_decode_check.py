@@ -47,8 +47,12 @@ def check(dtype: torch.dtype, rows: list[dict], args) -> int:
     started = time.perf_counter()
     model, tokenizer = load_target(args.target, dtype=dtype, device=args.device)
     head = load_heads(args.head, target=model, dtype=dtype, device=model.device)  # generate: target's dtype
-    prompts = [tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True, return_tensors="pt",
-                                             return_dict=True)["input_ids"].to(model.device) for row in rows]
+    prompts = [
+        tokenizer.apply_chat_template(
+            row["messages"], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )["input_ids"].to(model.device)
+        for row in rows
+    ]
     for warm_up in (None, head):  # untimed: kernel selection, allocator, caches
         timed(model, prompts[0], warm_up, 8)
     taus, speedups, plain_rates, spec_rates, diverged = [], [], [], [], []
@@ -63,11 +67,14 @@ def check(dtype: torch.dtype, rows: list[dict], args) -> int:
         plain_rates.append(plain.new_tokens / plain_s)
         spec_rates.append(spec.new_tokens / spec_s)
     name = str(dtype).removeprefix("torch.")
-    print(f"{name} target on {args.device}: {len(rows) - len(diverged)}/{len(rows)} outputs identical to "
-          f"plain {name} decoding; tau {statistics.median(taus):.2f}, speedup "
-          f"{statistics.median(speedups):.2f}x (plain {statistics.median(plain_rates):.1f} tok/s, "
-          f"speculative {statistics.median(spec_rates):.1f} tok/s; medians over {len(rows)} prompts, "
-          f"{args.max_new_tokens} new tokens at most) [{time.perf_counter() - started:.0f} s]", flush=True)
+    print(
+        f"{name} target on {args.device}: {len(rows) - len(diverged)}/{len(rows)} outputs identical to "
+        f"plain {name} decoding; tau {statistics.median(taus):.2f}, speedup "
+        f"{statistics.median(speedups):.2f}x (plain {statistics.median(plain_rates):.1f} tok/s, "
+        f"speculative {statistics.median(spec_rates):.1f} tok/s; medians over {len(rows)} prompts, "
+        f"{args.max_new_tokens} new tokens at most) [{time.perf_counter() - started:.0f} s]",
+        flush=True,
+    )
     for where in diverged:
         print(f"  differs from plain {name} decoding: {where}", flush=True)
     return len(diverged)
@@ -85,11 +92,15 @@ def main() -> None:
     rows = [row for row in rows if row["source"] == "chitchat"][: args.prompts]
 
     if check(torch.float32, rows, args):
-        raise SystemExit("LOSSLESS CHECK FAILED: with the fp32 target, speculative greedy output differs "
-                         "from plain decoding")
+        raise SystemExit(
+            "LOSSLESS CHECK FAILED: with the fp32 target, speculative greedy output differs "
+            "from plain decoding"
+        )
     diverged = check(torch.bfloat16, rows, args)
-    print(f"bf16: {diverged}/{len(rows)} speculative outputs diverge from plain bf16 decoding (reported, not "
-          "a failure: bf16 rounding differs between a 1-row pass and a tree pass; near-ties flip the argmax)")
+    print(
+        f"bf16: {diverged}/{len(rows)} speculative outputs diverge from plain bf16 decoding (reported, not "
+        "a failure: bf16 rounding differs between a 1-row pass and a tree pass; near-ties flip the argmax)"
+    )
 
 
 if __name__ == "__main__":

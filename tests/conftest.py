@@ -39,7 +39,8 @@ def _build(arch: str, overrides: tuple = ()) -> torch.nn.Module:
 
 @pytest.fixture(scope="session")
 def build_target():
-    """`build_target(arch, **config_overrides)`: a cached tiny fp32 target. Shared: tests must not mutate it."""
+    """`build_target(arch, **config_overrides)`: a cached tiny fp32 target. Shared: tests must not mutate
+    it."""
     return lambda arch, **overrides: _build(arch, tuple(sorted(overrides.items())))
 
 
@@ -57,13 +58,20 @@ def any_target(request, build_target) -> torch.nn.Module:
 
 class RankOracle(Drafter):
     """A drafter that knows the plain greedy continuation `sequence` (prompt included): it ranks the true next
-    token r-th with probability rank_probs[r] (the rest: not among its top candidates), random logits elsewhere.
-    With `features` (the target's final hidden states over `sequence`) it also checks what it is fed."""
+    token r-th with probability rank_probs[r] (the rest: not among its top candidates), random logits
+    elsewhere. With `features` (the target's final hidden states over `sequence`) it also checks what it is
+    fed."""
 
     feature_layers = (LAST,)
 
-    def __init__(self, sequence: list[int], vocab_size: int, rank_probs: list[float], seed: int = 0,
-                 features: torch.Tensor | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        sequence: list[int],
+        vocab_size: int,
+        rank_probs: list[float],
+        seed: int = 0,
+        features: torch.Tensor | None = None,
+    ) -> None:
         self.sequence, self.vocab_size, self.features = sequence, vocab_size, features
         self.rank_probs = torch.tensor([*rank_probs, max(0.0, 1.0 - sum(rank_probs))])
         self.generator = torch.Generator().manual_seed(seed)
@@ -110,5 +118,6 @@ class RankOracle(Drafter):
 
 @pytest.fixture(scope="session")
 def rank_oracle():
-    """The `RankOracle` class (conftest modules are not importable from tests under --import-mode=importlib)."""
+    """The `RankOracle` class (conftest modules are not importable from tests under
+    --import-mode=importlib)."""
     return RankOracle

@@ -10,8 +10,21 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_decode.py"
 def test_bench_decode_tiny(tmp_path: Path, capsys) -> None:
     bench = runpy.run_path(str(SCRIPT))  # scripts/ is not a package; nothing runs at import time
     out_json = tmp_path / "bench.json"
-    results = bench["main"](["--tiny", "--max-new-tokens", "4", "--repeats", "1", "--prompts", "2",
-                             "--threads", "1", "--json", str(out_json)])
+    results = bench["main"](
+        [
+            "--tiny",
+            "--max-new-tokens",
+            "4",
+            "--repeats",
+            "1",
+            "--prompts",
+            "2",
+            "--threads",
+            "1",
+            "--json",
+            str(out_json),
+        ]
+    )
     printed = capsys.readouterr().out
     assert "### Plain decoding" in printed and "### Target verify cost" in printed
     lines = printed.splitlines()

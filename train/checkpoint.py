@@ -47,8 +47,10 @@ def save_state(accelerator: Accelerator, output_dir: str | Path, step: int, keep
         os.replace(tmp, partial / PROGRESS_FILE)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)
-        states = sorted((p for p in root.glob("step-*") if (p / PROGRESS_FILE).is_file()),
-                        key=lambda p: int(p.name.split("-")[1]))
+        states = sorted(
+            (p for p in root.glob("step-*") if (p / PROGRESS_FILE).is_file()),
+            key=lambda p: int(p.name.split("-")[1]),
+        )
         for old in states[: max(0, len(states) - max(1, keep))]:
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
@@ -69,7 +71,8 @@ def saved_processes(state: Path) -> int | None:
 def gather_head(accelerator: Accelerator, wrapper: nn.Module, attr: str = "head") -> nn.Module | None:
     """A whole, unsharded float32 copy of the trained head on the main process; None on the other ranks.
 
-    Collective under ZeRO-3 and FSDP (every rank must call it): the full state dict is gathered from the shards.
+    Collective under ZeRO-3 and FSDP (every rank must call it): the full state dict is gathered from the
+    shards.
 
     Args:
         accelerator: the run's accelerator.
@@ -79,8 +82,9 @@ def gather_head(accelerator: Accelerator, wrapper: nn.Module, attr: str = "head"
     return head_from_state(accelerator, wrapper, accelerator.get_state_dict(wrapper), attr)
 
 
-def head_from_state(accelerator: Accelerator, wrapper: nn.Module, state: dict | None,
-                    attr: str = "head") -> nn.Module | None:
+def head_from_state(
+    accelerator: Accelerator, wrapper: nn.Module, state: dict | None, attr: str = "head"
+) -> nn.Module | None:
     """`gather_head` for a state dict the caller gathered already (`accelerator.get_state_dict(wrapper)`,
     which ZeRO-3 returns on the main process only)."""
     if not accelerator.is_main_process:
@@ -92,15 +96,21 @@ def head_from_state(accelerator: Accelerator, wrapper: nn.Module, state: dict | 
     with torch.random.fork_rng(devices=[]):
         fresh = build_head(head.head_type, head.config.to_dict())
     prefix = f"{attr}."
-    fresh.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+    fresh.load_state_dict({k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)})
     return fresh.to(accelerator.device).eval()
 
 
 _GATHER = object()  # export_head's default: gather the state dict itself
 
 
-def export_head(accelerator: Accelerator, wrapper: nn.Module, output_dir: str | Path, attr: str = "head",
-                state: dict | None = _GATHER, **save_kwargs) -> Path:
+def export_head(
+    accelerator: Accelerator,
+    wrapper: nn.Module,
+    output_dir: str | Path,
+    attr: str = "head",
+    state: dict | None = _GATHER,
+    **save_kwargs,
+) -> Path:
     """Write the head-only export `output_dir/head` from the main process (collective: see `gather_head`).
 
     Args:

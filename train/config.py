@@ -55,9 +55,9 @@ def _require(condition: bool, message: str) -> None:
 @dataclass(kw_only=True)
 class ModelConfig:
     target: str = DEFAULT_TARGET  # hub id or local folder of the frozen target; default SmolLM2-135M, offline
-    revision: str | None = None   # hub commit or tag, recorded in exports; None = default branch
-    dtype: str = "float32"        # frozen target's weights; float32 on CPU (bf16 matmuls are slow there), bf16
-                                  # on GPU. Trainable weights (heads, LoRA) and Adam states are always float32
+    revision: str | None = None  # hub commit or tag, recorded in exports; None = default branch
+    dtype: str = "float32"  # frozen target's weights; float32 on CPU (bf16 matmuls are slow there), bf16
+    # on GPU. Trainable weights (heads, LoRA) and Adam states are always float32
     attn_implementation: str = "eager"  # eager: multi-token CPU passes ~15% cheaper than sdpa (REFERENCE 6)
 
     def __post_init__(self) -> None:
@@ -67,12 +67,12 @@ class ModelConfig:
 
 @dataclass(kw_only=True)
 class DataConfig:
-    train_files: list[str]        # required: JSONL conversation files, relative to the launch directory
+    train_files: list[str]  # required: JSONL conversation files, relative to the launch directory
     eval_files: list[str] = field(default_factory=list)  # held-out JSONL files; [] = use eval_fraction
-    max_length: int = 512         # tokens per example after the chat template; longer ones are truncated
+    max_length: int = 512  # tokens per example after the chat template; longer ones are truncated
     max_bad_fraction: float = 0.05  # fraction of malformed / fully-masked examples tolerated before failing
-    eval_fraction: float = 0.0    # held-out slice of train_files when eval_files is empty; 0 = no eval set
-    shuffle_seed: int = 0         # seed of the example order and of the eval_fraction split (reproducible)
+    eval_fraction: float = 0.0  # held-out slice of train_files when eval_files is empty; 0 = no eval set
+    shuffle_seed: int = 0  # seed of the example order and of the eval_fraction split (reproducible)
     hidden_states: str = "online"  # online: run the target every step; offline: read states from offline_dir
     offline_dir: str | None = None  # folder of precomputed target hidden states; required when offline
 
@@ -80,38 +80,44 @@ class DataConfig:
         _one_of("hidden_states", self.hidden_states, HIDDEN_STATES)
         _require(len(self.train_files) > 0, "train_files must name at least one file")
         _at_least(self, 2, "max_length")
-        _require(0 <= self.max_bad_fraction <= 1,
-                 f"max_bad_fraction must be in [0, 1], got {self.max_bad_fraction}")
+        _require(
+            0 <= self.max_bad_fraction <= 1,
+            f"max_bad_fraction must be in [0, 1], got {self.max_bad_fraction}",
+        )
         _require(0 <= self.eval_fraction < 1, f"eval_fraction must be in [0, 1), got {self.eval_fraction}")
-        _require(self.hidden_states == "online" or self.offline_dir is not None,
-                 "offline_dir must be set when hidden_states='offline'")
+        _require(
+            self.hidden_states == "online" or self.offline_dir is not None,
+            "offline_dir must be set when hidden_states='offline'",
+        )
 
 
 @dataclass(kw_only=True)
 class TrainConfig:
-    output_dir: str                # required: run folder (exports, resume states, resolved config.yaml)
-    learning_rate: float = 1e-4    # peak AdamW lr; EAGLE-3 1e-4 (SpecForge); Medusa YAMLs set 1e-3
-    weight_decay: float = 0.0      # AdamW decoupled weight decay; EAGLE and Medusa train without it
-    adam_beta1: float = 0.9        # AdamW first-moment decay (EAGLE)
-    adam_beta2: float = 0.95       # AdamW second-moment decay; EAGLE uses (0.9, 0.95)
-    max_grad_norm: float = 0.5     # global grad-norm clip (EAGLE: 0.5); 0 = no clipping
-    num_epochs: int = 1            # passes over train_files; ignored when max_steps > 0
-    max_steps: int = 0             # optimizer steps; 0 = derive from num_epochs
+    output_dir: str  # required: run folder (exports, resume states, resolved config.yaml)
+    learning_rate: float = 1e-4  # peak AdamW lr; EAGLE-3 1e-4 (SpecForge); Medusa YAMLs set 1e-3
+    weight_decay: float = 0.0  # AdamW decoupled weight decay; EAGLE and Medusa train without it
+    adam_beta1: float = 0.9  # AdamW first-moment decay (EAGLE)
+    adam_beta2: float = 0.95  # AdamW second-moment decay; EAGLE uses (0.9, 0.95)
+    max_grad_norm: float = 0.5  # global grad-norm clip (EAGLE: 0.5); 0 = no clipping
+    num_epochs: int = 1  # passes over train_files; ignored when max_steps > 0
+    max_steps: int = 0  # optimizer steps; 0 = derive from num_epochs
     per_device_batch_size: int = 4  # sequences per process per micro-batch
     gradient_accumulation_steps: int = 1  # micro-batches per optimizer step (global batch: x batch x procs)
-    warmup_ratio: float = 0.1      # fraction of optimizer steps in linear warmup (Medusa: 0.1)
-    lr_scheduler: str = "cosine"   # decay after warmup; cosine in Medusa and SpecForge
-    seed: int = 0                  # seeds head init, feature noise and dropout (accelerate.utils.set_seed)
-    save_every_steps: int = 1000   # optimizer steps between resume state + export; 0 = only at the end
-    keep_checkpoints: int = 2      # resume states kept on disk, older deleted; >= 1 so a resume always exists
-    eval_every_steps: int = 500    # optimizer steps between eval-loss passes; 0 = only at the end
-    log_every_steps: int = 10      # optimizer steps between tracker logs (loss, lr, grad norm, per-head acc)
-    report_to: str = "none"        # tracker for accelerator.log; "none" = console only (no network needed)
-    mixed_precision: str = "no"    # compute under accelerate's autocast (weights stay fp32); "no" on CPU, "bf16"
-                                   # on recent GPUs (bf16 also runs on CPU); "fp16" needs CUDA (grad scaler)
+    warmup_ratio: float = 0.1  # fraction of optimizer steps in linear warmup (Medusa: 0.1)
+    lr_scheduler: str = "cosine"  # decay after warmup; cosine in Medusa and SpecForge
+    seed: int = 0  # seeds head init, feature noise and dropout (accelerate.utils.set_seed)
+    save_every_steps: int = 1000  # optimizer steps between resume state + export; 0 = only at the end
+    keep_checkpoints: int = 2  # resume states kept on disk, older deleted; >= 1 so a resume always exists
+    eval_every_steps: int = 500  # optimizer steps between eval-loss passes; 0 = only at the end
+    log_every_steps: int = 10  # optimizer steps between tracker logs (loss, lr, grad norm, per-head acc)
+    report_to: str = "none"  # tracker for accelerator.log; "none" = console only (no network needed)
+    mixed_precision: str = (
+        "no"  # compute under accelerate's autocast (weights stay fp32); "no" on CPU, "bf16"
+    )
+    # on recent GPUs (bf16 also runs on CPU); "fp16" needs CUDA (grad scaler)
     gradient_checkpointing: bool = False  # Medusa-2: recompute the LoRA-adapted target's activations in
-                                          # backward (less memory, ~30% more compute); frozen passes keep none
-    eval_tau_prompts: int = 0      # held-out prompts of the periodic simulated-tau eval; 0 = off
+    # backward (less memory, ~30% more compute); frozen passes keep none
+    eval_tau_prompts: int = 0  # held-out prompts of the periodic simulated-tau eval; 0 = off
     eval_tau_new_tokens: int = 64  # new tokens per prompt in that eval (tau counts the bonus token)
 
     def __post_init__(self) -> None:
@@ -120,26 +126,42 @@ class TrainConfig:
         _one_of("mixed_precision", self.mixed_precision, MIXED_PRECISIONS)
         _require(self.learning_rate > 0, f"learning_rate must be > 0, got {self.learning_rate}")
         _require(0 <= self.warmup_ratio < 1, f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
-        _at_least(self, 1, "per_device_batch_size", "gradient_accumulation_steps", "keep_checkpoints",
-                  "log_every_steps")
-        _at_least(self, 0, "weight_decay", "max_grad_norm", "num_epochs", "max_steps", "save_every_steps",
-                  "eval_every_steps", "eval_tau_prompts", "eval_tau_new_tokens")
+        _at_least(
+            self,
+            1,
+            "per_device_batch_size",
+            "gradient_accumulation_steps",
+            "keep_checkpoints",
+            "log_every_steps",
+        )
+        _at_least(
+            self,
+            0,
+            "weight_decay",
+            "max_grad_norm",
+            "num_epochs",
+            "max_steps",
+            "save_every_steps",
+            "eval_every_steps",
+            "eval_tau_prompts",
+            "eval_tau_new_tokens",
+        )
         _require(self.num_epochs > 0 or self.max_steps > 0, "num_epochs or max_steps must be > 0")
 
 
 @dataclass(kw_only=True)
 class EagleTrainConfig:
-    head_type: str = "eagle3"      # eagle3: 3 fused taps, TTT, reduced-vocab lm_head; eagle1: final state
+    head_type: str = "eagle3"  # eagle3: 3 fused taps, TTT, reduced-vocab lm_head; eagle1: final state
     aux_layer_ids: list[int] | None = None  # eagle3 taps, output-of-layer ids; None = (1, N/2-1, N-4)
-    draft_vocab_size: int = 0      # eagle3 draft vocabulary (most frequent training tokens); 0 = full vocab
-    ttt_steps: int = 3             # eagle3 training-time-test unroll depth (speculators: 3, SpecForge: 7)
-    ttt_decay: float = 0.8         # TTT step i is weighted ttt_decay**i (EAGLE-3)
-    noise_width: float = 0.2       # uniform noise U(-w/2, w/2) on input features against drift (EAGLE-1)
+    draft_vocab_size: int = 0  # eagle3 draft vocabulary (most frequent training tokens); 0 = full vocab
+    ttt_steps: int = 3  # eagle3 training-time-test unroll depth (speculators: 3, SpecForge: 7)
+    ttt_decay: float = 0.8  # TTT step i is weighted ttt_decay**i (EAGLE-3)
+    noise_width: float = 0.2  # uniform noise U(-w/2, w/2) on input features against drift (EAGLE-1)
     feature_loss_weight: float = 1.0  # eagle1 SmoothL1 feature loss weight (EAGLE-1: 1.0); eagle3 has none
-    ce_loss_weight: float = 0.1    # eagle1 soft-CE weight (EAGLE-1: 0.1); eagle3's TTT soft-CE is unweighted
-    fc_bias: bool = False          # bias on fc; False matches vLLM / SGLang exports (old EAGLE-1 had one)
-    init_from: str | None = None   # exported head folder to start from (more epochs, new data); its sizes,
-                                   # taps and draft vocabulary win over aux_layer_ids / draft_vocab_size
+    ce_loss_weight: float = 0.1  # eagle1 soft-CE weight (EAGLE-1: 0.1); eagle3's TTT soft-CE is unweighted
+    fc_bias: bool = False  # bias on fc; False matches vLLM / SGLang exports (old EAGLE-1 had one)
+    init_from: str | None = None  # exported head folder to start from (more epochs, new data); its sizes,
+    # taps and draft vocabulary win over aux_layer_ids / draft_vocab_size
 
     def __post_init__(self) -> None:
         _one_of("head_type", self.head_type, HEAD_TYPES)
@@ -153,30 +175,33 @@ class EagleTrainConfig:
 
 @dataclass(kw_only=True)
 class MedusaTrainConfig:
-    num_heads: int = 4             # K draft heads (Medusa: 3-5)
-    num_layers: int = 1            # ResBlocks per head (Medusa: 1)
-    share_lm_head: bool = False    # True: project with the frozen target lm_head (saves K x H x V parameters)
-    decay: float = 0.8             # head k's CE is weighted decay**k (Medusa)
+    num_heads: int = 4  # K draft heads (Medusa: 3-5)
+    num_layers: int = 1  # ResBlocks per head (Medusa: 1)
+    share_lm_head: bool = False  # True: project with the frozen target lm_head (saves K x H x V parameters)
+    decay: float = 0.8  # head k's CE is weighted decay**k (Medusa)
     head_loss_weight: float = 0.2  # Medusa-2: loss = LM loss + head_loss_weight * sum_k decay**k CE_k
-    lora_r: int = 0                # 0 = Medusa-1 (heads only, target frozen); > 0 = Medusa-2 LoRA rank
-    lora_alpha: int = 16           # LoRA scale numerator (scale = lora_alpha / lora_r)
-    lora_dropout: float = 0.05     # dropout on the LoRA input
+    lora_r: int = 0  # 0 = Medusa-1 (heads only, target frozen); > 0 = Medusa-2 LoRA rank
+    lora_alpha: int = 16  # LoRA scale numerator (scale = lora_alpha / lora_r)
+    lora_dropout: float = 0.05  # dropout on the LoRA input
     lora_target_modules: list[str] = field(  # Linear layers given LoRA (HF names): the attention projections
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-    heads_only_steps: int = 0      # Medusa-2 stage 1: optimizer steps on the heads alone before LoRA joins
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"]
+    )
+    heads_only_steps: int = 0  # Medusa-2 stage 1: optimizer steps on the heads alone before LoRA joins
     head_lr_multiplier: float = 4.0  # Medusa-2: heads' lr = learning_rate x this (Medusa: x4)
-    init_from: str | None = None   # exported Medusa head folder to start from (more epochs, new data); its
-                                   # num_heads, num_layers and share_lm_head must equal the ones above
+    init_from: str | None = None  # exported Medusa head folder to start from (more epochs, new data); its
+    # num_heads, num_layers and share_lm_head must equal the ones above
 
     def __post_init__(self) -> None:
         _at_least(self, 1, "num_heads")
         _at_least(self, 0, "num_layers", "lora_r", "heads_only_steps", "head_loss_weight")
         _require(0 < self.decay <= 1, f"decay must be in (0, 1], got {self.decay}")
         _require(0 <= self.lora_dropout < 1, f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
-        _require(self.head_lr_multiplier > 0,
-                 f"head_lr_multiplier must be > 0, got {self.head_lr_multiplier!r}")
-        _require(self.lora_r > 0 or self.heads_only_steps == 0,
-                 "heads_only_steps needs lora_r > 0 (Medusa-2)")
+        _require(
+            self.head_lr_multiplier > 0, f"head_lr_multiplier must be > 0, got {self.head_lr_multiplier!r}"
+        )
+        _require(
+            self.lora_r > 0 or self.heads_only_steps == 0, "heads_only_steps needs lora_r > 0 (Medusa-2)"
+        )
 
 
 def _check_precision(model: ModelConfig, train: TrainConfig) -> None:
@@ -184,18 +209,20 @@ def _check_precision(model: ModelConfig, train: TrainConfig) -> None:
     target's frozen embedding and lm_head, which only autocast reconciles."""
     needed = {"bfloat16": "bf16", "float16": "fp16"}.get(model.dtype)
     if needed is not None and train.mixed_precision != needed:
-        raise ValueError(f"model.dtype={model.dtype} needs train.mixed_precision={needed}, got "
-                         f"{train.mixed_precision!r}: the head trains in float32 and only autocast lets its "
-                         f"activations meet the {model.dtype} target's embedding and lm_head "
-                         f"(or set model.dtype=float32)")
+        raise ValueError(
+            f"model.dtype={model.dtype} needs train.mixed_precision={needed}, got "
+            f"{train.mixed_precision!r}: the head trains in float32 and only autocast lets its "
+            f"activations meet the {model.dtype} target's embedding and lm_head "
+            f"(or set model.dtype=float32)"
+        )
 
 
 @dataclass(kw_only=True)
 class EagleRunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)  # frozen target; defaults: SmolLM2 on CPU
-    data: DataConfig               # required section: train_files has no default
+    data: DataConfig  # required section: train_files has no default
     eagle: EagleTrainConfig = field(default_factory=EagleTrainConfig)  # head and loss; defaults: EAGLE-3
-    train: TrainConfig             # required section: output_dir has no default
+    train: TrainConfig  # required section: output_dir has no default
 
     def __post_init__(self) -> None:
         _check_precision(self.model, self.train)
@@ -204,9 +231,9 @@ class EagleRunConfig:
 @dataclass(kw_only=True)
 class MedusaRunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)  # frozen target (LoRA-adapted when lora_r > 0)
-    data: DataConfig               # required section: train_files has no default
+    data: DataConfig  # required section: train_files has no default
     medusa: MedusaTrainConfig = field(default_factory=MedusaTrainConfig)  # heads and loss; defaults: Medusa-1
-    train: TrainConfig             # required section: output_dir has no default
+    train: TrainConfig  # required section: output_dir has no default
 
     def __post_init__(self) -> None:
         _check_precision(self.model, self.train)
@@ -253,8 +280,9 @@ def load_config(cls: type[T], yaml_path: str | Path | None, overrides: Sequence[
             if node.get(part) is None:
                 node[part] = {}
             if not isinstance(node[part], dict):
-                raise ConfigError(f"override {item!r}: {'.'.join(parents[: depth + 1])} is not a section "
-                                  f"(config {source})")
+                raise ConfigError(
+                    f"override {item!r}: {'.'.join(parents[: depth + 1])} is not a section (config {source})"
+                )
             node = node[part]
         node[leaf] = yaml.load(text, Loader=_Loader)
         origins[key] = f"override {item!r} (config {source})"
@@ -276,8 +304,9 @@ def _build(cls: type[T], raw: Any, prefix: str, where: Callable[[str], str]) -> 
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted((f"{prefix}{key}" for key in raw if key not in fields), key=str)
     if unknown:
-        raise ConfigError(f"unknown key {unknown[0]} in {where(unknown[0])}; "
-                          f"valid keys of {section}: {', '.join(fields)}")
+        raise ConfigError(
+            f"unknown key {unknown[0]} in {where(unknown[0])}; valid keys of {section}: {', '.join(fields)}"
+        )
     kwargs, missing = {}, []
     for name, f in fields.items():
         tp, dotted = hints[name], prefix + name
@@ -339,6 +368,7 @@ def _convert(value: Any, tp: Any, key: str, where: Callable[[str], str], shown: 
 
 def to_dict(cfg: Any) -> dict:
     """The config as plain YAML-safe data: nested dicts in field order, tuples as lists."""
+
     def plain(value: Any) -> Any:
         if isinstance(value, dict):
             return {k: plain(v) for k, v in value.items()}

@@ -1,5 +1,6 @@
-"""Training data for draft heads: chats rendered with the target's own template and masked to assistant tokens,
-batching, the EAGLE-3 draft vocabulary (2503.01840 §3), and self-distillation (Medusa 2401.10774 §3.3.1)."""
+"""Training data for draft heads: chats rendered with the target's own template and masked to assistant
+tokens, batching, the EAGLE-3 draft vocabulary (2503.01840 §3), and self-distillation (Medusa 2401.10774
+§3.3.1)."""
 
 from __future__ import annotations
 
@@ -117,8 +118,9 @@ def _render(tokenizer: PreTrainedTokenizerBase, messages: list[dict], generation
         raise BadRow(f"the chat template rejected the conversation: {error}") from error
 
 
-def _assistant_spans(tokenizer: PreTrainedTokenizerBase, messages: list[dict],
-                     cut_reply: bool = False) -> tuple[str, list[tuple]]:
+def _assistant_spans(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict], cut_reply: bool = False
+) -> tuple[str, list[tuple]]:
     """The full rendering and one (start, end) character span per assistant turn (see `render_with_mask`)."""
     full, spans = _render(tokenizer, messages, generation_prompt=False), []
     last = max(i for i, m in enumerate(messages) if m["role"] == "assistant") if cut_reply else -1
@@ -144,14 +146,17 @@ def _assistant_spans(tokenizer: PreTrainedTokenizerBase, messages: list[dict],
                     end = at + len(content)
                     break
             else:
-                raise BadRow(f"'messages'[{i}]: the chat template rewrites the reply text, so the end of a cut "
-                             "reply cannot be found")
+                raise BadRow(
+                    f"'messages'[{i}]: the chat template rewrites the reply text, so the end of a cut "
+                    "reply cannot be found"
+                )
         spans.append((len(prefix), end))
     return full, spans
 
 
-def render_with_mask(tokenizer: PreTrainedTokenizerBase, messages: list[dict], max_length: int,
-                     cut_reply: bool = False) -> dict:
+def render_with_mask(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict], max_length: int, cut_reply: bool = False
+) -> dict:
     """Tokenize a conversation with the tokenizer's own chat template and mark its assistant tokens.
 
     Reply i spans the characters from the end of render(messages[:i], add_generation_prompt=True) to the
@@ -240,8 +245,9 @@ def build_dataset(
             try:
                 if isinstance(row, Exception):
                     raise row
-                example = render_with_mask(tokenizer, to_messages(row), max_length,
-                                           cut_reply=row.get("finish_reason") == "length")
+                example = render_with_mask(
+                    tokenizer, to_messages(row), max_length, cut_reply=row.get("finish_reason") == "length"
+                )
             except (json.JSONDecodeError, BadRow) as error:
                 reason = "invalid_json" if isinstance(error, json.JSONDecodeError) else "bad_row"
                 report.skip(f"{path}:{number}", reason, str(error))

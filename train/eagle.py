@@ -55,16 +55,34 @@ class EagleStep(nn.Module):
         self.head, self.cfg = head, cfg
         self._frozen = (embed, lm_head)  # a tuple is not registered as submodules
 
-    def forward(self, features: Tensor, input_ids: Tensor, target_logits: Tensor,
-                loss_mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    def forward(
+        self, features: Tensor, input_ids: Tensor, target_logits: Tensor, loss_mask: Tensor
+    ) -> tuple[Tensor, dict[str, Tensor]]:
         embed, lm_head = self._frozen
         features = _as_head_input(features, self.head)
         if self.head.head_type == "eagle1":
-            return eagle1_loss(self.head, features, input_ids, target_logits, loss_mask, embed, lm_head,
-                               noise_width=self.cfg.noise_width if self.training else 0.0, feature_weight=self.cfg.feature_loss_weight,
-                               ce_weight=self.cfg.ce_loss_weight)
-        return eagle3_ttt_loss(self.head, features, input_ids, target_logits, loss_mask, embed,
-                               ttt_steps=self.cfg.ttt_steps, decay=self.cfg.ttt_decay)
+            return eagle1_loss(
+                self.head,
+                features,
+                input_ids,
+                target_logits,
+                loss_mask,
+                embed,
+                lm_head,
+                noise_width=self.cfg.noise_width if self.training else 0.0,
+                feature_weight=self.cfg.feature_loss_weight,
+                ce_weight=self.cfg.ce_loss_weight,
+            )
+        return eagle3_ttt_loss(
+            self.head,
+            features,
+            input_ids,
+            target_logits,
+            loss_mask,
+            embed,
+            ttt_steps=self.cfg.ttt_steps,
+            decay=self.cfg.ttt_decay,
+        )
 
 
 def _as_head_input(features: Tensor, head: nn.Module) -> Tensor:
@@ -83,8 +101,10 @@ def new_head(cfg: EagleTrainConfig, target: nn.Module, train_set) -> EagleHead:
     if cfg.init_from:
         head = load_heads(cfg.init_from, target, dtype=torch.float32, device=target.device)
         if head.head_type != cfg.head_type:
-            raise ValueError(f"eagle.init_from={cfg.init_from} holds a {head.head_type} head, but "
-                             f"eagle.head_type is {cfg.head_type}")
+            raise ValueError(
+                f"eagle.init_from={cfg.init_from} holds a {head.head_type} head, but "
+                f"eagle.head_type is {cfg.head_type}"
+            )
         return head.train().requires_grad_(True)
     overrides = {"fc_bias": cfg.fc_bias}
     if cfg.head_type == "eagle3":
@@ -102,8 +122,9 @@ def new_head(cfg: EagleTrainConfig, target: nn.Module, train_set) -> EagleHead:
 
 
 @torch.no_grad()
-def target_pass(target: nn.Module, capture: FeatureCapture, batch: dict,
-                draft_rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def target_pass(
+    target: nn.Module, capture: FeatureCapture, batch: dict, draft_rows: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """The frozen target's tapped features (B, T, F) and logits for a batch.
 
     With `draft_rows` (the target lm_head's rows of an EAGLE-3 draft vocabulary, (Vd, H)) the target runs
@@ -113,7 +134,7 @@ def target_pass(target: nn.Module, capture: FeatureCapture, batch: dict,
         logits = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         return capture.features(), logits
     hidden = target.get_decoder()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])[0]
-    logits = nn.functional.linear(hidden, draft_rows)                                # (B, T, Vd)
+    logits = nn.functional.linear(hidden, draft_rows)  # (B, T, Vd)
     softcap = getattr(target.config.get_text_config(), "final_logit_softcapping", None)
     if softcap:  # what the target's own forward applies after its lm_head (Gemma 2)
         logits = torch.tanh(logits / softcap) * softcap
@@ -132,8 +153,9 @@ def logits_head(target: nn.Module, draft_rows: Tensor | None) -> nn.Module:
     rows for EAGLE-3 (as online, `target_pass`), else the whole lm_head."""
     if draft_rows is None:
         return target.get_output_embeddings()
-    head = nn.Linear(draft_rows.shape[1], draft_rows.shape[0], bias=False, device=draft_rows.device,
-                     dtype=draft_rows.dtype)
+    head = nn.Linear(
+        draft_rows.shape[1], draft_rows.shape[0], bias=False, device=draft_rows.device, dtype=draft_rows.dtype
+    )
     head.weight = nn.Parameter(draft_rows, requires_grad=False)
     return head
 
@@ -143,8 +165,10 @@ def main(cfg: EagleRunConfig) -> None:
     check_deepspeed_precision(accelerator, cfg.model)
     set_seed(cfg.train.seed)
     out = Path(cfg.train.output_dir)
-    accelerator.print(f"EAGLE recipe: {cfg.eagle.head_type} on {cfg.model.target}, {accelerator.num_processes} "
-                      f"process(es), {accelerator.distributed_type}")
+    accelerator.print(
+        f"EAGLE recipe: {cfg.eagle.head_type} on {cfg.model.target}, {accelerator.num_processes} "
+        f"process(es), {accelerator.distributed_type}"
+    )
 
     # 1. frozen target (replicated on every rank, never sharded) + trainable fp32 head
     target, tokenizer = load_frozen_target(cfg.model, accelerator)
@@ -169,16 +193,30 @@ def main(cfg: EagleRunConfig) -> None:
 
     # 5. loop; hidden states come from the target online, or from a dump (scripts/dump_hidden_states.py)
     draft_rows = draft_vocab_rows(head, target)  # EAGLE-3: the target's logits over the draft vocab only
-    rows, collate_fn = offline_rows(cfg.data, train_set, pad_id, head.feature_layers, logits_head(target, draft_rows),
-                                    softcap=getattr(target.config.get_text_config(), "final_logit_softcapping", None))
+    rows, collate_fn = offline_rows(
+        cfg.data,
+        train_set,
+        pad_id,
+        head.feature_layers,
+        logits_head(target, draft_rows),
+        softcap=getattr(target.config.get_text_config(), "final_logit_softcapping", None),
+    )
     capture = FeatureCapture(target, head.feature_layers).__enter__()
     export_kwargs = {"base_model": cfg.model.target, "base_revision": cfg.model.revision, "target": target}
     progress = tqdm(total=num_steps, initial=step, disable=not accelerator.is_main_process, desc="train")
     logger = StepLogger(accelerator, progress, cfg.train.log_every_steps)
     while step < num_steps:
         epoch, done = divmod(step, per_epoch)
-        loader = epoch_loader(rows, cfg.train, cfg.data, epoch, pad_id, accelerator,
-                              skip_batches=done * cfg.train.gradient_accumulation_steps, collate_fn=collate_fn)
+        loader = epoch_loader(
+            rows,
+            cfg.train,
+            cfg.data,
+            epoch,
+            pad_id,
+            accelerator,
+            skip_batches=done * cfg.train.gradient_accumulation_steps,
+            collate_fn=collate_fn,
+        )
         for batch in loader:
             with accelerator.accumulate(step_module):
                 if collate_fn is None:
@@ -206,14 +244,17 @@ def main(cfg: EagleRunConfig) -> None:
                 break
     progress.close()
     save_state(accelerator, out, step, cfg.train.keep_checkpoints)
-    path = export_head(accelerator, step_module, out, **export_kwargs,
-                       extra={"train_step": step, "training": to_dict(cfg)})
+    path = export_head(
+        accelerator, step_module, out, **export_kwargs, extra={"train_step": step, "training": to_dict(cfg)}
+    )
     capture.__exit__(None, None, None)
     accelerator.print(f"exported {path}")
     accelerator.end_training()
 
 
-def evaluate(accelerator, step_module, target, capture, eval_set, cfg: EagleRunConfig, pad_id: int, step: int):
+def evaluate(
+    accelerator, step_module, target, capture, eval_set, cfg: EagleRunConfig, pad_id: int, step: int
+):
     """Held-out loss on every rank; simulated tau (a real greedy generate) on the main process, with a whole
     copy of the head gathered from every rank (the head may be sharded: ZeRO-3, FSDP2)."""
     head = accelerator.unwrap_model(step_module).head
@@ -231,8 +272,9 @@ def evaluate(accelerator, step_module, target, capture, eval_set, cfg: EagleRunC
         whole = gather_head(accelerator, step_module)  # collective; None off the main process
         if whole is not None:
             capture.__exit__(None, None, None)  # generate installs its own capture
-            logs["eval_tau"] = simulated_tau(target, whole, eval_set, cfg.train.eval_tau_prompts,
-                                             cfg.train.eval_tau_new_tokens)
+            logs["eval_tau"] = simulated_tau(
+                target, whole, eval_set, cfg.train.eval_tau_prompts, cfg.train.eval_tau_new_tokens
+            )
             capture.__enter__()
     logs = {k: v for k, v in logs.items() if v is not None}
     if logs:

@@ -31,10 +31,20 @@ def _top1(logits: Tensor, target_probs: Tensor, mask: Tensor) -> Tensor:
     return masked_mean((logits.argmax(-1) == target_probs.argmax(-1)).float(), mask)
 
 
-def eagle1_loss(head: EagleHead, target_features: Tensor, input_ids: Tensor, target_logits: Tensor,
-                loss_mask: Tensor, embed: nn.Module, lm_head: nn.Module, *, noise_width: float = 0.2,
-                feature_weight: float = 1.0, ce_weight: float = 0.1,
-                generator: torch.Generator | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+def eagle1_loss(
+    head: EagleHead,
+    target_features: Tensor,
+    input_ids: Tensor,
+    target_logits: Tensor,
+    loss_mask: Tensor,
+    embed: nn.Module,
+    lm_head: nn.Module,
+    *,
+    noise_width: float = 0.2,
+    feature_weight: float = 1.0,
+    ce_weight: float = 0.1,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
     """EAGLE-1: SmoothL1 on predicted features + soft cross-entropy through the frozen lm_head.
 
     Args:
@@ -51,22 +61,26 @@ def eagle1_loss(head: EagleHead, target_features: Tensor, input_ids: Tensor, tar
         (loss, metrics) with metrics `feature_loss`, `ce_loss`, `top1`.
     """
     b, t, _ = target_features.shape
-    feats = target_features[:, :-1]                                                    # (B, T-1, H)
+    feats = target_features[:, :-1]  # (B, T-1, H)
     if noise_width > 0:
         noise = torch.rand(feats.shape, generator=generator, device=feats.device, dtype=feats.dtype)
         feats = feats + (noise - 0.5) * noise_width
-    embeds = embed(input_ids[:, 1:]).to(feats.dtype)                                  # (B, T-1, H)
+    embeds = embed(input_ids[:, 1:]).to(feats.dtype)  # (B, T-1, H)
     positions = torch.arange(t - 1, device=feats.device).expand(b, -1)
-    predicted = head(feats, embeds, positions)[:, :-1]                                # (B, T-2, H)
-    mask = loss_mask[:, 2:].bool()                                                    # token t + 2
-    feature_loss = masked_mean(F.smooth_l1_loss(predicted.float(), target_features[:, 1:-1].float(),
-                                                reduction="none").mean(-1), mask)
+    predicted = head(feats, embeds, positions)[:, :-1]  # (B, T-2, H)
+    mask = loss_mask[:, 2:].bool()  # token t + 2
+    feature_loss = masked_mean(
+        F.smooth_l1_loss(predicted.float(), target_features[:, 1:-1].float(), reduction="none").mean(-1), mask
+    )
     target_probs = torch.softmax(target_logits[:, 1:-1].float(), dim=-1)
     logits = lm_head(predicted)
     ce_loss = soft_cross_entropy(logits, target_probs, mask)
     loss = feature_weight * feature_loss + ce_weight * ce_loss
-    return loss, {"feature_loss": feature_loss.detach(), "ce_loss": ce_loss.detach(),
-                  "top1": _top1(logits.detach(), target_probs, mask)}
+    return loss, {
+        "feature_loss": feature_loss.detach(),
+        "ce_loss": ce_loss.detach(),
+        "top1": _top1(logits.detach(), target_probs, mask),
+    }
 
 
 def ttt_attention_mask(length: int, step: int, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -77,17 +91,25 @@ def ttt_attention_mask(length: int, step: int, dtype: torch.dtype, device: torch
     0 < i < j) and itself, exactly as at decode time (decode/propose.py `EagleDrafter.expand`).
     """
     pos = torch.arange(length, device=device)
-    allowed = [pos[None, :] <= (pos[:, None] - step)]                                 # step 0: causal, shifted
+    allowed = [pos[None, :] <= (pos[:, None] - step)]  # step 0: causal, shifted
     for i in range(1, step + 1):
-        allowed.append(pos[None, :] == (pos[:, None] - step + i))                      # one diagonal per step
+        allowed.append(pos[None, :] == (pos[:, None] - step + i))  # one diagonal per step
     mask = torch.cat(allowed, dim=1)
-    mask[:, step * length:] |= torch.eye(length, dtype=torch.bool, device=device)      # rows t < j: self only
+    mask[:, step * length :] |= torch.eye(length, dtype=torch.bool, device=device)  # rows t < j: self only
     return additive_mask(mask, dtype)[None, None]
 
 
-def eagle3_ttt_loss(head: EagleHead, target_features: Tensor, input_ids: Tensor, target_logits: Tensor,
-                    loss_mask: Tensor, embed: nn.Module, *, ttt_steps: int = 3,
-                    decay: float = 0.8) -> tuple[Tensor, dict[str, Tensor]]:
+def eagle3_ttt_loss(
+    head: EagleHead,
+    target_features: Tensor,
+    input_ids: Tensor,
+    target_logits: Tensor,
+    loss_mask: Tensor,
+    embed: nn.Module,
+    *,
+    ttt_steps: int = 3,
+    decay: float = 0.8,
+) -> tuple[Tensor, dict[str, Tensor]]:
     """EAGLE-3 training-time test: unroll the draft on its own features for `ttt_steps` steps.
 
     Step 0 reads the fused target taps; step j reads step j-1's output at the previous position. Each
@@ -109,24 +131,24 @@ def eagle3_ttt_loss(head: EagleHead, target_features: Tensor, input_ids: Tensor,
         raise ValueError(f"ttt_steps must be >= 1, got {ttt_steps}")
     b, t, _ = target_features.shape
     length = t - 1
-    features = head.project_features(target_features[:, :-1])                        # (B, T-1, H)
-    embeds = embed(input_ids[:, 1:]).to(features.dtype)                               # (B, T-1, H)
+    features = head.project_features(target_features[:, :-1])  # (B, T-1, H)
+    embeds = embed(input_ids[:, 1:]).to(features.dtype)  # (B, T-1, H)
     positions = torch.arange(length, device=features.device).expand(b, -1)
     target_logits = target_logits[:, 1:]
     if target_logits.shape[-1] != head.config.draft_vocab_size:  # full-vocabulary logits: keep the draft's
         target_logits = target_logits[..., head.t2d]
-    target_probs = torch.softmax(target_logits.float(), dim=-1)                         # (B, T-1, Vd)
+    target_probs = torch.softmax(target_logits.float(), dim=-1)  # (B, T-1, Vd)
     token_mask = torch.zeros(b, length, dtype=torch.bool, device=features.device)
-    token_mask[:, :-1] = loss_mask[:, 2:].bool()                                       # token t + 2
+    token_mask[:, :-1] = loss_mask[:, 2:].bool()  # token t + 2
     cache = DraftCache()
     total = features.new_zeros((), dtype=torch.float32)
     metrics: dict[str, Tensor] = {}
     index = torch.arange(length, device=features.device)
     for step in range(ttt_steps):
         mask = ttt_attention_mask(length, step, features.dtype, features.device)
-        hidden = head(features, embeds, positions, cache, attention_mask=mask)         # (B, T-1, H)
-        logits = head.logits(hidden, None)                                             # (B, T-1, Vd)
-        valid = token_mask & (index >= step)[None]                                     # a full chain exists
+        hidden = head(features, embeds, positions, cache, attention_mask=mask)  # (B, T-1, H)
+        logits = head.logits(hidden, None)  # (B, T-1, Vd)
+        valid = token_mask & (index >= step)[None]  # a full chain exists
         step_loss = soft_cross_entropy(logits, target_probs, valid)
         total = total + decay**step * step_loss
         metrics[f"loss_step{step}"] = step_loss.detach()
@@ -135,8 +157,9 @@ def eagle3_ttt_loss(head: EagleHead, target_features: Tensor, input_ids: Tensor,
     return total, metrics
 
 
-def medusa_loss(head_logits: Tensor, input_ids: Tensor, loss_mask: Tensor, *,
-                decay: float = 0.8) -> tuple[Tensor, dict[str, Tensor]]:
+def medusa_loss(
+    head_logits: Tensor, input_ids: Tensor, loss_mask: Tensor, *, decay: float = 0.8
+) -> tuple[Tensor, dict[str, Tensor]]:
     """Medusa-1: cross-entropy of head k against token t + k + 2, weighted decay**k.
 
     Args:
@@ -154,7 +177,7 @@ def medusa_loss(head_logits: Tensor, input_ids: Tensor, loss_mask: Tensor, *,
         shift = k + 2
         if shift >= t:
             break
-        logits = head_logits[k, :, : t - shift].float()                                # (B, T-k-2, V)
+        logits = head_logits[k, :, : t - shift].float()  # (B, T-k-2, V)
         labels, mask = input_ids[:, shift:], loss_mask[:, shift:].bool()
         ce = F.cross_entropy(logits.transpose(1, 2), labels, reduction="none")
         head_loss = masked_mean(ce, mask)
@@ -164,8 +187,15 @@ def medusa_loss(head_logits: Tensor, input_ids: Tensor, loss_mask: Tensor, *,
     return total, metrics
 
 
-def medusa_loss_from_hidden(heads: MedusaHeads, hidden: Tensor, input_ids: Tensor, loss_mask: Tensor, *,
-                            decay: float = 0.8, lm_head: nn.Module | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+def medusa_loss_from_hidden(
+    heads: MedusaHeads,
+    hidden: Tensor,
+    input_ids: Tensor,
+    loss_mask: Tensor,
+    *,
+    decay: float = 0.8,
+    lm_head: nn.Module | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
     """`medusa_loss` computed head by head on the masked positions only, never materialising (K, B, T, V).
 
     Args:
@@ -184,12 +214,13 @@ def medusa_loss_from_hidden(heads: MedusaHeads, hidden: Tensor, input_ids: Tenso
         shift = k + 2
         if shift >= t:
             break
-        mask = loss_mask[:, shift:].bool()                                             # (B, T-k-2)
-        labels = input_ids[:, shift:][mask]                                            # (M,)
-        logits = heads.head_logits(k, hidden[:, : t - shift][mask], lm_head).float()   # (M, V)
+        mask = loss_mask[:, shift:].bool()  # (B, T-k-2)
+        labels = input_ids[:, shift:][mask]  # (M,)
+        logits = heads.head_logits(k, hidden[:, : t - shift][mask], lm_head).float()  # (M, V)
         head_loss = F.cross_entropy(logits, labels) if labels.numel() else logits.sum() * 0.0
         total = total + decay**k * head_loss
         metrics[f"loss_head{k}"] = head_loss.detach()
-        metrics[f"top1_head{k}"] = (logits.detach().argmax(-1) == labels).float().mean() if labels.numel() \
-            else head_loss.detach()
+        metrics[f"top1_head{k}"] = (
+            (logits.detach().argmax(-1) == labels).float().mean() if labels.numel() else head_loss.detach()
+        )
     return total, metrics

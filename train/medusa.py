@@ -71,8 +71,14 @@ class MedusaStep(nn.Module):
     def base(self) -> nn.Module:
         return self.target if self.cfg.lora_r > 0 else self._frozen[0]
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor, loss_mask: Tensor,
-                lm_weight: float = 1.0, hidden: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        loss_mask: Tensor,
+        lm_weight: float = 1.0,
+        hidden: Tensor | None = None,
+    ) -> tuple[Tensor, dict[str, Tensor]]:
         """`hidden`: the target's final states from an offline dump (Medusa-1 only); None runs the target."""
         joint = self.cfg.lora_r > 0
         if joint:
@@ -81,18 +87,23 @@ class MedusaStep(nn.Module):
             if lm_weight == 0:  # heads-only stage: the heads learn, the LoRA weights see zero gradients
                 hidden = hidden.detach() + 0 * hidden
         elif hidden is not None and not torch.is_autocast_enabled(hidden.device.type):
-            hidden = hidden.to(next(self.heads.parameters()).dtype)  # offline fp32 states, DeepSpeed bf16 heads
+            hidden = hidden.to(
+                next(self.heads.parameters()).dtype
+            )  # offline fp32 states, DeepSpeed bf16 heads
         elif hidden is None:  # Medusa-1 online: the decoder only (its output is after the final norm); the
             with torch.no_grad():  # full-vocabulary logits of the target are never read
                 hidden = self.base.get_decoder()(input_ids=input_ids, attention_mask=attention_mask)[0]
         lm_head = self.base.get_output_embeddings() if self.cfg.share_lm_head else None
-        head_loss, metrics = medusa_loss_from_hidden(self.heads, hidden, input_ids, loss_mask,
-                                                     decay=self.cfg.decay, lm_head=lm_head)
+        head_loss, metrics = medusa_loss_from_hidden(
+            self.heads, hidden, input_ids, loss_mask, decay=self.cfg.decay, lm_head=lm_head
+        )
         if not joint:
             return head_loss, metrics
         logits = out.logits[:, :-1].float()
-        lm_loss = masked_mean(F.cross_entropy(logits.transpose(1, 2), input_ids[:, 1:], reduction="none"),
-                              loss_mask[:, 1:].bool())
+        lm_loss = masked_mean(
+            F.cross_entropy(logits.transpose(1, 2), input_ids[:, 1:], reduction="none"),
+            loss_mask[:, 1:].bool(),
+        )
         metrics["lm_loss"] = lm_loss.detach()
         return lm_weight * lm_loss + self.cfg.head_loss_weight * head_loss, metrics
 
@@ -117,8 +128,12 @@ def lora_config(cfg: MedusaTrainConfig):
     """The peft LoraConfig of Medusa-2's adapters."""
     from peft import LoraConfig
 
-    return LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules=list(cfg.lora_target_modules))
+    return LoraConfig(
+        r=cfg.lora_r,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=cfg.lora_dropout,
+        target_modules=list(cfg.lora_target_modules),
+    )
 
 
 def new_heads(cfg: MedusaTrainConfig, target: nn.Module) -> MedusaHeads:
@@ -136,23 +151,29 @@ def new_heads(cfg: MedusaTrainConfig, target: nn.Module) -> MedusaHeads:
         raise TypeError(f"medusa.init_from={cfg.init_from} holds a {heads.head_type} head, not Medusa heads")
     found = {key: getattr(heads.config, key) for key in wanted}
     if found != wanted:
-        diff = ", ".join(f"{k}: {wanted[k]} (config) vs {found[k]} (head)" for k in wanted if wanted[k] != found[k])
+        diff = ", ".join(
+            f"{k}: {wanted[k]} (config) vs {found[k]} (head)" for k in wanted if wanted[k] != found[k]
+        )
         raise ValueError(f"medusa.init_from={cfg.init_from} does not match the medusa section: {diff}")
     return heads.train().requires_grad_(True)
 
 
 def main(cfg: MedusaRunConfig) -> None:
     if cfg.data.hidden_states != "online" and cfg.medusa.lora_r > 0:  # fail before any model loads
-        raise ValueError("data.hidden_states=offline is for Medusa-1 only: Medusa-2 trains LoRA on the target, "
-                         "which changes its hidden states, so it must run the target online (medusa.lora_r=0 or "
-                         "data.hidden_states=online)")
+        raise ValueError(
+            "data.hidden_states=offline is for Medusa-1 only: Medusa-2 trains LoRA on the target, "
+            "which changes its hidden states, so it must run the target online (medusa.lora_r=0 or "
+            "data.hidden_states=online)"
+        )
     accelerator = make_accelerator(cfg.train)
     check_deepspeed_precision(accelerator, cfg.model)
     set_seed(cfg.train.seed)
     out = Path(cfg.train.output_dir)
     mode = f"Medusa-2 (LoRA r={cfg.medusa.lora_r})" if cfg.medusa.lora_r > 0 else "Medusa-1"
-    accelerator.print(f"Medusa recipe: {mode}, {cfg.medusa.num_heads} heads on {cfg.model.target}, "
-                      f"{accelerator.num_processes} process(es), {accelerator.distributed_type}")
+    accelerator.print(
+        f"Medusa recipe: {mode}, {cfg.medusa.num_heads} heads on {cfg.model.target}, "
+        f"{accelerator.num_processes} process(es), {accelerator.distributed_type}"
+    )
 
     # 1. target (frozen, or LoRA for Medusa-2) + trainable heads, projections initialised from its lm_head
     target, tokenizer = frozen_or_lora_target(cfg, accelerator)
@@ -160,7 +181,8 @@ def main(cfg: MedusaRunConfig) -> None:
     heads = new_heads(cfg.medusa, target)
     heads.to(dtype=torch.float32, device=accelerator.device)  # fp32 whatever the target: AdamW master weights
     step_module = MedusaStep(heads, target, cfg.medusa)
-    step_module.train()  # Medusa-2: the adapted target trains (LoRA dropout on); load_target returns eval mode
+    # Medusa-2: the adapted target trains (LoRA dropout on); load_target returns eval mode
+    step_module.train()
     # FSDP2: the shard units accelerate's own wrapping gets wrong, made before AdamW sees the parameters
     shard_fsdp2_units(accelerator, step_module, called_by_method=(heads,))
 
@@ -189,17 +211,31 @@ def main(cfg: MedusaRunConfig) -> None:
     logger = StepLogger(accelerator, progress, cfg.train.log_every_steps)
     while step < num_steps:
         epoch, done = divmod(step, per_epoch)
-        loader = epoch_loader(rows, cfg.train, cfg.data, epoch, pad_id, accelerator,
-                              skip_batches=done * cfg.train.gradient_accumulation_steps, collate_fn=collate_fn)
+        loader = epoch_loader(
+            rows,
+            cfg.train,
+            cfg.data,
+            epoch,
+            pad_id,
+            accelerator,
+            skip_batches=done * cfg.train.gradient_accumulation_steps,
+            collate_fn=collate_fn,
+        )
         for batch in loader:
             stage_one = step < cfg.medusa.heads_only_steps
             with accelerator.accumulate(step_module):
-                loss, metrics = step_module(batch["input_ids"], batch["attention_mask"], batch["loss_mask"],
-                                            lm_weight=0.0 if stage_one else 1.0, hidden=batch.get("last"))
+                loss, metrics = step_module(
+                    batch["input_ids"],
+                    batch["attention_mask"],
+                    batch["loss_mask"],
+                    lm_weight=0.0 if stage_one else 1.0,
+                    hidden=batch.get("last"),
+                )
                 check_finite(accelerator, loss, step, out)
                 # heads-only stage: the LoRA gradients are exact zeros (MedusaStep); dropped, Adam skips them,
                 # and under DeepSpeed (which keeps its own copies) no weight decay may move them either.
-                # DeepSpeed's Adam still counts these steps for LoRA (bias correction differs later; docs/gpu.md)
+                # DeepSpeed's Adam still counts these steps for LoRA (bias correction differs later;
+                # docs/gpu.md)
                 lora_idle = stage_one and len(optimizer.param_groups) > 1
                 idle = optimizer.param_groups[1]["params"] if lora_idle else None
                 if len(optimizer.param_groups) > 1:
@@ -244,15 +280,17 @@ def export(accelerator, step_module, out: Path, cfg: MedusaRunConfig, step: int,
 
 def _prefixed(state: dict, prefix: str) -> dict:
     """The entries of `state` under `prefix`, with the prefix removed."""
-    return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+    return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
 
 
 @torch.no_grad()
-def evaluate(accelerator, step_module, eval_set, cfg: MedusaRunConfig, pad_id: int, step: int,
-             eval_copy: dict) -> None:
+def evaluate(
+    accelerator, step_module, eval_set, cfg: MedusaRunConfig, pad_id: int, step: int, eval_copy: dict
+) -> None:
     """Held-out loss on every rank (Medusa-2: LM + head loss, on its adapted target); simulated tau of greedy
     decoding on the main process, with the heads gathered from every rank and, for Medusa-2, its
     LoRA-adapted target (its own copy when ZeRO-3 or FSDP2 shard the run's)."""
+
     def loss_of(batch: dict) -> Tensor:
         return step_module(batch["input_ids"], batch["attention_mask"], batch["loss_mask"])[0]
 
@@ -276,8 +314,9 @@ def evaluate(accelerator, step_module, eval_set, cfg: MedusaRunConfig, pad_id: i
             # The main process's own copy under ZeRO-3: outside it, peft and transformers would treat it as
             # partitioned and start collectives that the other ranks never join
             with whole_on_every_rank(accelerator) if sharded else contextlib.nullcontext():
-                logs["eval_tau"] = simulated_tau(target, heads, eval_set, cfg.train.eval_tau_prompts,
-                                                 cfg.train.eval_tau_new_tokens)
+                logs["eval_tau"] = simulated_tau(
+                    target, heads, eval_set, cfg.train.eval_tau_prompts, cfg.train.eval_tau_new_tokens
+                )
             target.train(was_training)
     logs = {k: v for k, v in logs.items() if v is not None}
     if logs:

@@ -35,9 +35,16 @@ def estimate_bytes(dataset: Dataset, layer_ids: tuple[int, ...], hidden_size: in
 
 
 @torch.no_grad()
-def dump_hidden_states(target: nn.Module, dataset: Dataset, layer_ids: tuple[int, ...], out_dir: str | Path,
-                       shard_size: int = 32, dtype: torch.dtype | None = None, batch_size: int = 8,
-                       accelerator: Accelerator | None = None) -> Path:
+def dump_hidden_states(
+    target: nn.Module,
+    dataset: Dataset,
+    layer_ids: tuple[int, ...],
+    out_dir: str | Path,
+    shard_size: int = 32,
+    dtype: torch.dtype | None = None,
+    batch_size: int = 8,
+    accelerator: Accelerator | None = None,
+) -> Path:
     """Write `out_dir/shard-NNNNN.safetensors` (per example i: `ids.i`, `mask.i`, `features.i`, `last.i`, each
     unpadded) and `index.json`; prints the size before writing. Finished shards are kept on rerun (resumable).
 
@@ -68,24 +75,38 @@ def dump_hidden_states(target: nn.Module, dataset: Dataset, layer_ids: tuple[int
     rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
     dtype = dtype or next(target.parameters()).dtype
     hidden = target.config.get_text_config().hidden_size
-    index = {"examples": len(dataset), "shard_size": shard_size, "layer_ids": list(layer_ids),
-             "shards": [f"shard-{n:05d}.safetensors" for n in range(-(-len(dataset) // shard_size))],
-             "hidden_size": hidden, "dtype": str(dtype).removeprefix("torch."),
-             "target": getattr(target.config, "_name_or_path", None), "target_digest": weights_digest(target)}
+    index = {
+        "examples": len(dataset),
+        "shard_size": shard_size,
+        "layer_ids": list(layer_ids),
+        "shards": [f"shard-{n:05d}.safetensors" for n in range(-(-len(dataset) // shard_size))],
+        "hidden_size": hidden,
+        "dtype": str(dtype).removeprefix("torch."),
+        "target": getattr(target.config, "_name_or_path", None),
+        "target_digest": weights_digest(target),
+    }
     on_disk = [(out / name).is_file() for name in index["shards"]]  # read by all before any rank writes one
     if (out / INDEX_FILE).is_file():  # resuming: kept shards must come from the same target, taps and data
         old = json.loads((out / INDEX_FILE).read_text())  # every rank checks (all raise alike, none waits)
-        changed = [f"{key} {old[key]!r} -> {index[key]!r}" for key in RESUME_KEYS  # keys an older index lacks
-                   if key in old and old[key] != index[key]]  # are not compared (their shards still are)
+        changed = [
+            f"{key} {old[key]!r} -> {index[key]!r}"
+            for key in RESUME_KEYS  # keys an older index lacks
+            if key in old and old[key] != index[key]
+        ]  # are not compared (their shards still are)
         if changed:
-            raise ValueError(f"{out} holds a dump written with other settings ({'; '.join(changed)}); "
-                             f"write this one into an empty folder")
+            raise ValueError(
+                f"{out} holds a dump written with other settings ({'; '.join(changed)}); "
+                f"write this one into an empty folder"
+            )
     _barrier(accelerator)  # every rank has read the old index before the main process replaces it
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         size = estimate_bytes(dataset, layer_ids, hidden, dtype)
-        print(f"offline hidden states: {len(dataset)} examples, {size / 2**20:.1f} MiB to write into {out} "
-              f"({world} process(es), {batch_size} per forward)", flush=True)
+        print(
+            f"offline hidden states: {len(dataset)} examples, {size / 2**20:.1f} MiB to write into {out} "
+            f"({world} process(es), {batch_size} per forward)",
+            flush=True,
+        )
         _write_index(out, {**index, "complete": False})  # a killed dump is recognised, and resumed, as such
     _barrier(accelerator)
     taps = tuple(layer_ids) + (() if LAST in layer_ids else (LAST,))
@@ -102,11 +123,13 @@ def dump_hidden_states(target: nn.Module, dataset: Dataset, layer_ids: tuple[int
             order = sorted(examples, key=lambda i: -len(rows[i]["input_ids"]))  # longest first: less padding
             tensors = {}
             for start in range(0, len(order), batch_size):
-                chunk = order[start:start + batch_size]
+                chunk = order[start : start + batch_size]
                 batch = collate([rows[i] for i in chunk], pad_token_id=0)  # right-padded
-                decoder(input_ids=batch["input_ids"].to(target.device),  # causal attention leaves the real
-                        attention_mask=batch["attention_mask"].to(target.device))  # tokens' states as alone
-                states = capture.features().to(dtype).cpu()                          # (B, T, len(taps) * H)
+                decoder(
+                    input_ids=batch["input_ids"].to(target.device),  # causal attention leaves the real
+                    attention_mask=batch["attention_mask"].to(target.device),
+                )  # tokens' states as alone
+                states = capture.features().to(dtype).cpu()  # (B, T, len(taps) * H)
                 for b, i in enumerate(chunk):
                     n = len(rows[i]["input_ids"])  # each example's own rows, without the padding
                     tensors[f"ids.{i}"] = batch["input_ids"][b, :n].clone()
@@ -159,16 +182,22 @@ def _check_shard(path: Path, dataset: Dataset, indices: range) -> None:
         keys = set(tensors.keys())
         for i in indices:
             if f"ids.{i}" not in keys:
-                raise ValueError(f"{path}: example {i} is missing; the dump was written from other data "
-                                 f"settings (write it again into an empty folder)")
+                raise ValueError(
+                    f"{path}: example {i} is missing; the dump was written from other data "
+                    f"settings (write it again into an empty folder)"
+                )
             stored, expected = tensors.get_tensor(f"ids.{i}").tolist(), list(dataset[i]["input_ids"])
             if stored != expected:
-                where = next((t for t, (a, b) in enumerate(zip(stored, expected)) if a != b),
-                             min(len(stored), len(expected)))
-                raise ValueError(f"{path}: example {i} holds other tokens than the training set's "
-                                 f"({len(stored)} vs {len(expected)} tokens, first difference at token "
-                                 f"{where}); the dump was written from other data or settings: write it "
-                                 f"again into an empty folder")
+                where = next(
+                    (t for t, (a, b) in enumerate(zip(stored, expected)) if a != b),
+                    min(len(stored), len(expected)),
+                )
+                raise ValueError(
+                    f"{path}: example {i} holds other tokens than the training set's "
+                    f"({len(stored)} vs {len(expected)} tokens, first difference at token "
+                    f"{where}); the dump was written from other data or settings: write it "
+                    f"again into an empty folder"
+                )
 
 
 class OfflineStates:
@@ -176,17 +205,21 @@ class OfflineStates:
     Every dump holds the final state, so `layer_ids=None` (Medusa) and `(LAST,)` (EAGLE-1, whose feature is
     that state) accept any dump, e.g. one written for EAGLE-3's taps."""
 
-    def __init__(self, out_dir: str | Path, layer_ids: tuple[int, ...] | None,
-                 softcap: float | None = None) -> None:
+    def __init__(
+        self, out_dir: str | Path, layer_ids: tuple[int, ...] | None, softcap: float | None = None
+    ) -> None:
         self.root, self.softcap = Path(out_dir), softcap
         index_file = self.root / INDEX_FILE
         if not index_file.is_file():
-            raise FileNotFoundError(f"{index_file}: no offline hidden states here; write them with "
-                                    f"scripts/dump_hidden_states.py")
+            raise FileNotFoundError(
+                f"{index_file}: no offline hidden states here; write them with scripts/dump_hidden_states.py"
+            )
         self.index = json.loads(index_file.read_text())
         if self.index.get("complete") is False:
-            raise ValueError(f"{self.root}: the dump was stopped before it finished; rerun "
-                             f"scripts/dump_hidden_states.py with the same settings to complete it")
+            raise ValueError(
+                f"{self.root}: the dump was stopped before it finished; rerun "
+                f"scripts/dump_hidden_states.py with the same settings to complete it"
+            )
         self.features_are_last = layer_ids is not None and tuple(layer_ids) == (LAST,)
         stored_taps = tuple(self.index["layer_ids"])
         if layer_ids is not None and not self.features_are_last and stored_taps != tuple(layer_ids):
@@ -198,9 +231,11 @@ class OfflineStates:
     def check_matches(self, dataset: Dataset) -> None:
         """Raise unless the dump holds `dataset`'s examples, token for token, in order."""
         if len(self) != len(dataset):
-            raise ValueError(f"{self.root} holds {len(self)} examples but the training set has "
-                             f"{len(dataset)}: rerun scripts/dump_hidden_states.py with this run's data "
-                             f"settings")
+            raise ValueError(
+                f"{self.root} holds {len(self)} examples but the training set has "
+                f"{len(dataset)}: rerun scripts/dump_hidden_states.py with this run's data "
+                f"settings"
+            )
         for number, name in enumerate(self.index["shards"]):
             examples = _shard_examples(number, self.index["shard_size"], len(dataset))
             _check_shard(self.root / name, dataset, examples)
@@ -212,8 +247,13 @@ class OfflineStates:
             row["features"] = row["last"] if self.features_are_last else tensors.get_tensor(f"features.{i}")
         return row
 
-    def batch(self, indices: list[int], pad_id: int, lm_head: nn.Module | None,
-              loss_masks: list[list[int]] | None = None) -> dict[str, Tensor]:
+    def batch(
+        self,
+        indices: list[int],
+        pad_id: int,
+        lm_head: nn.Module | None,
+        loss_masks: list[list[int]] | None = None,
+    ) -> dict[str, Tensor]:
         """Right-padded batch with `features` (B, T, F) and the target's `logits` (B, T, V) from `last`;
         without `lm_head`, the final states themselves as `last` (B, T, H) instead of logits. `loss_masks`
         (the training set's) replace the masks stored in the dump: a masking change needs no new dump.
@@ -226,11 +266,13 @@ class OfflineStates:
         for row, mask in zip(rows, loss_masks or ()):
             row["mask"] = torch.tensor(mask, dtype=torch.int8)
         length = max(r["ids"].numel() for r in rows)
-        out = {"input_ids": torch.full((len(rows), length), pad_id, dtype=torch.long),
-               "attention_mask": torch.zeros(len(rows), length, dtype=torch.long),
-               "loss_mask": torch.zeros(len(rows), length, dtype=torch.long)}
-        features = torch.zeros(len(rows), length, rows[0]["features"].shape[-1])          # (B, T, F) float32
-        last = torch.zeros(len(rows), length, rows[0]["last"].shape[-1])                  # (B, T, H) float32
+        out = {
+            "input_ids": torch.full((len(rows), length), pad_id, dtype=torch.long),
+            "attention_mask": torch.zeros(len(rows), length, dtype=torch.long),
+            "loss_mask": torch.zeros(len(rows), length, dtype=torch.long),
+        }
+        features = torch.zeros(len(rows), length, rows[0]["features"].shape[-1])  # (B, T, F) float32
+        last = torch.zeros(len(rows), length, rows[0]["last"].shape[-1])  # (B, T, H) float32
         for b, r in enumerate(rows):
             n = r["ids"].numel()
             out["input_ids"][b, :n], out["attention_mask"][b, :n] = r["ids"], 1
@@ -249,8 +291,14 @@ class OfflineStates:
         return out
 
 
-def offline_rows(data, train_set: Dataset, pad_id: int, layer_ids: tuple[int, ...] | None,
-                 lm_head: nn.Module | None, softcap: float | None = None):
+def offline_rows(
+    data,
+    train_set: Dataset,
+    pad_id: int,
+    layer_ids: tuple[int, ...] | None,
+    lm_head: nn.Module | None,
+    softcap: float | None = None,
+):
     """(rows to shuffle and shard, collate_fn) for a recipe: the tokenised set itself online (collate_fn
     None); offline, example indices into the dump of `data.offline_dir`, whose batches `OfflineStates.batch`
     builds.
@@ -269,5 +317,6 @@ def offline_rows(data, train_set: Dataset, pad_id: int, layer_ids: tuple[int, ..
     states = OfflineStates(data.offline_dir, layer_ids, softcap=softcap)
     states.check_matches(train_set)
     rows = Dataset.from_dict({"index": list(range(len(train_set))), "loss_mask": train_set["loss_mask"]})
-    return rows, lambda batch: states.batch([row["index"] for row in batch], pad_id, lm_head,
-                                            [row["loss_mask"] for row in batch])
+    return rows, lambda batch: states.batch(
+        [row["index"] for row in batch], pad_id, lm_head, [row["loss_mask"] for row in batch]
+    )

@@ -1,5 +1,5 @@
-"""Self-distillation: answer training prompts with the target itself (REFERENCE section 2: the biggest lever on
-acceptance), batched, as resumable JSONL shards. Used by `scripts/regenerate.py`."""
+"""Self-distillation: answer training prompts with the target itself (REFERENCE section 2: the biggest lever
+on acceptance), batched, as resumable JSONL shards. Used by `scripts/regenerate.py`."""
 
 from __future__ import annotations
 
@@ -43,8 +43,10 @@ def batched_generate(
         per row, (reply token ids without the stop token, whether a stop token ended it).
     """
     if input_ids.shape != attention_mask.shape or input_ids.dim() != 2:
-        raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} "
-                         "must be the same (B, L) shape")  # fmt: skip
+        raise ValueError(
+            f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} "
+            "must be the same (B, L) shape"
+        )
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     device = input_ids.device
@@ -57,10 +59,18 @@ def batched_generate(
     step_input, step_position = input_ids, position
     stop = torch.tensor(sorted(stop_ids), device=device)
     for _ in range(max_new_tokens):
-        logits = model(
-            input_ids=step_input, attention_mask=mask, position_ids=step_position, cache=cache,
-            use_cache=True, logits_to_keep=1,
-        ).logits[:, -1].float()  # fmt: skip
+        logits = (
+            model(
+                input_ids=step_input,
+                attention_mask=mask,
+                position_ids=step_position,
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            .logits[:, -1]
+            .float()
+        )
         if temperature > 0:
             probs = torch.softmax(logits / temperature, dim=-1)
             token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
@@ -152,8 +162,14 @@ def regenerate(
             todo[row["id"]] = {"id": row["id"], "source": row.get("source"), "messages": _prompt(row)}
     todo, too_long = list(todo.values()), 0
     if max_prompt_tokens is not None:
-        lengths = [len(tokenizer(_render(tokenizer, row["messages"], generation_prompt=True),
-                                 add_special_tokens=False)["input_ids"]) for row in todo]  # fmt: skip
+        lengths = [
+            len(
+                tokenizer(
+                    _render(tokenizer, row["messages"], generation_prompt=True), add_special_tokens=False
+                )["input_ids"]
+            )
+            for row in todo
+        ]
         too_long = sum(n > max_prompt_tokens for n in lengths)
         todo = [row for row, n in zip(todo, lengths) if n <= max_prompt_tokens]
     next_shard = max((int(p.stem.removeprefix("shard-")) for p in out.glob("shard-*.jsonl")), default=-1) + 1
@@ -176,9 +192,14 @@ def regenerate(
                     [texts[i] for i in batch], add_special_tokens=False, padding=True, return_tensors="pt"
                 ).to(model.device)
                 outputs = batched_generate(
-                    model, inputs["input_ids"], inputs["attention_mask"], max_new_tokens, stop_ids,
-                    temperature=temperature, generator=generator,
-                )  # fmt: skip
+                    model,
+                    inputs["input_ids"],
+                    inputs["attention_mask"],
+                    max_new_tokens,
+                    stop_ids,
+                    temperature=temperature,
+                    generator=generator,
+                )
                 for i, (new_tokens, stopped) in zip(batch, outputs):
                     reply = tokenizer.decode(new_tokens, **decoding)
                     chunk[i]["messages"] = chunk[i]["messages"] + [{"role": "assistant", "content": reply}]
@@ -189,4 +210,9 @@ def regenerate(
     finally:
         tokenizer.padding_side, tokenizer.pad_token_id = padding_side, pad_token
         bar.close()
-    return {"skipped": skipped, "generated": len(todo), "shards": -(-len(todo) // shard_size), "too_long": too_long}
+    return {
+        "skipped": skipped,
+        "generated": len(todo),
+        "shards": -(-len(todo) // shard_size),
+        "too_long": too_long,
+    }

@@ -1,4 +1,5 @@
-"""Tests for decode/accept.py with stub logits: greedy acceptance, the target distribution, rejection sampling."""
+"""Tests for decode/accept.py with stub logits: greedy acceptance, the target distribution, rejection
+sampling."""
 
 import math
 

@@ -1,6 +1,7 @@
-"""decode/fused.py and the EAGLE drafter around it: the fused draft step computes what `EagleHead.forward` computes
-(fp32, pretransposed, packed and int8 layers; causal and tree masks; the cache it leaves), is rebuilt when the
-head changes, and the drafter's tree masks and batched draws give the proposals the module path gives."""
+"""decode/fused.py and the EAGLE drafter around it: the fused draft step computes what `EagleHead.forward`
+computes (fp32, pretransposed, packed and int8 layers; causal and tree masks; the cache it leaves), is
+rebuilt when the head changes, and the drafter's tree masks and batched draws give the proposals the module
+path gives."""
 
 import copy
 
@@ -46,8 +47,11 @@ def _layout(head: EagleHead, layout: str, target) -> EagleHead:
 def _inputs(head: EagleHead, rows: int, start: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     h = head.config.hidden_size
-    return torch.randn(1, rows, h, generator=g), torch.randn(1, rows, h, generator=g), \
-        torch.arange(start, start + rows)[None]  # fmt: skip
+    return (
+        torch.randn(1, rows, h, generator=g),
+        torch.randn(1, rows, h, generator=g),
+        torch.arange(start, start + rows)[None],
+    )
 
 
 @pytest.mark.parametrize("layout", ["fp32", "pretransposed", "packed", "int8"])
@@ -110,7 +114,7 @@ def test_drafter_tree_mask_lets_each_node_see_its_ancestors_only(build_target):
     real = drafter.step
 
     def spy(*args, attention_mask):
-        seen.append((attention_mask[0, 0] == 0)[:, drafter.committed:].int().tolist())
+        seen.append((attention_mask[0, 0] == 0)[:, drafter.committed :].int().tolist())
         return real(*args, attention_mask=attention_mask)
 
     drafter.step = spy
@@ -140,8 +144,14 @@ def test_fused_and_module_drafters_propose_the_same_trees(build_target, kind, te
     for fused in (True, False):
         drafter = EagleDrafter(head, target, fused=fused)
         drafter.advance(features, tokens)
-        tree = propose(drafter, 11, DynamicTree(depth=4, top_k=3, total_tokens=9), temperature=temperature,
-                       generator=torch.Generator().manual_seed(5), vocab_size=128)
+        tree = propose(
+            drafter,
+            11,
+            DynamicTree(depth=4, top_k=3, total_tokens=9),
+            temperature=temperature,
+            generator=torch.Generator().manual_seed(5),
+            vocab_size=128,
+        )
         trees.append(tree)
     assert trees[0].tokens.tolist() == trees[1].tokens.tolist()
     assert trees[0].parents.tolist() == trees[1].parents.tolist()
@@ -163,8 +173,9 @@ def test_batched_draws_match_one_row_at_a_time():
     for row in range(5):
         assert len(set(sampled.draft_ids[row].tolist())) == 4
         torch.testing.assert_close(sampled.q[row], torch.softmax(logits[row] / 0.7, -1))
-        torch.testing.assert_close(sampled.slot_logq[row], torch.topk(torch.log_softmax(logits[row] / 0.7, -1),
-                                                                      4).values)  # fmt: skip
+        torch.testing.assert_close(
+            sampled.slot_logq[row], torch.topk(torch.log_softmax(logits[row] / 0.7, -1), 4).values
+        )
     # the first draw of a row follows q: 4000 draws of a 3-token row
     row = torch.tensor([[0.0, 1.0, 2.0]]).expand(4000, 3)
     first = draw_children(row, 2, 1.0, torch.Generator().manual_seed(2)).draft_ids[:, 0]
@@ -173,7 +184,9 @@ def test_batched_draws_match_one_row_at_a_time():
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "eagle1"])
-def test_greedy_decoding_with_the_module_path_equals_the_fused_path_and_plain(build_target, kind, monkeypatch):
+def test_greedy_decoding_with_the_module_path_equals_the_fused_path_and_plain(
+    build_target, kind, monkeypatch
+):
     import decode.propose as propose_module
 
     target = build_target("mistral")

@@ -1,5 +1,5 @@
-"""Tests for decode/generate.py: greedy speculative decoding equals plain decoding token for token, stops where
-plain decoding stops, and reports consistent statistics (argument checks: test_generate_inputs.py).
+"""Tests for decode/generate.py: greedy speculative decoding equals plain decoding token for token, stops
+where plain decoding stops, and reports consistent statistics (argument checks: test_generate_inputs.py).
 
 Random heads are almost never accepted, so an ORACLE drafter (it knows the plain greedy continuation and ranks
 the true next token 1st, 2nd or 3rd at random) drives long, branching accepted paths through the same loop.
@@ -52,7 +52,8 @@ def _random_heads(kind: str, model: nn.Module) -> nn.Module:
 
 @functools.cache
 def _reference(model: nn.Module) -> tuple[list[int], torch.Tensor]:
-    """Plain greedy prompt + continuation (with slack past N for overshooting steps) and its final hidden states."""
+    """Plain greedy prompt + continuation (with slack past N for overshooting steps) and its final hidden
+    states."""
     sequence = generate(model, PROMPT, max_new_tokens=N + 8).sequences
     with torch.no_grad():
         hidden = model(sequence, output_hidden_states=True).hidden_states[-1][0]  # (T + N + 8, H)
@@ -61,7 +62,8 @@ def _reference(model: nn.Module) -> tuple[list[int], torch.Tensor]:
 
 @pytest.fixture
 def oracle(rank_oracle):
-    """`oracle(model, seed)`: ranks the true next token 1st, 2nd or 3rd uniformly; checks the features it is fed."""
+    """`oracle(model, seed)`: ranks the true next token 1st, 2nd or 3rd uniformly; checks the features it is
+    fed."""
 
     def build(model: nn.Module, seed: int = 0) -> Drafter:
         sequence, features = _reference(model)
@@ -74,7 +76,8 @@ def _plain_ids(model: nn.Module, n: int = N) -> list[int]:
     return _reference(model)[0][: T + n]
 
 
-# ---- lossless greedy: random heads --------------------------------------------------------------------------------
+# ---- lossless greedy: random heads
+# --------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("kind, tree", GRID, ids=[f"{k}-{t}" for k, t in GRID])

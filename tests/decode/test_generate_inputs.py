@@ -70,8 +70,11 @@ BAD_CALLS = {
     "heads on another device": (
         {"heads": lambda m: _medusa().to("meta")},
         ValueError,
-        (r"heads are on meta / float32 but the target is on cpu / float32; load them with load_heads\(path, "
-         r"target=model, dtype=model.dtype, device=model.device\)"),
+        (
+            r"heads are on meta / float32 but the target is on cpu / float32; load them with "
+            r"load_heads\(path, "
+            r"target=model, dtype=model.dtype, device=model.device\)"
+        ),
     ),
     "heads in another dtype": (
         {"heads": lambda m: EagleHead(EagleConfig.from_target(m.config, "eagle3")).to(torch.bfloat16)},

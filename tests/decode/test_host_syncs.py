@@ -34,6 +34,7 @@ class RoundTrips:
     def __enter__(self):
         self.count, self._saved = 0, {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy")}
         for name, method in self._saved.items():
+
             def counted(tensor, *args, _method=method, **kwargs):
                 self.count += 1
                 return _method(tensor, *args, **kwargs)
@@ -66,8 +67,9 @@ def _always_accepting(build_target, layers: int, kind: str) -> tuple[nn.Module, 
     torch.manual_seed(0)
     if kind == "medusa":
         heads = MedusaHeads(MedusaConfig(target.config.hidden_size, target.config.vocab_size, num_heads=8))
-        heads.lm_heads = nn.ModuleList(_constant_logits(target.config.hidden_size, target.config.vocab_size)
-                                       for _ in range(8))  # fmt: skip
+        heads.lm_heads = nn.ModuleList(
+            _constant_logits(target.config.hidden_size, target.config.vocab_size) for _ in range(8)
+        )
     else:
         heads = EagleHead(EagleConfig.from_target(target.config, "eagle3", draft_vocab_size=64))
         heads.set_draft_vocab(torch.arange(64))
@@ -80,8 +82,9 @@ def _per_step(model: nn.Module, heads: nn.Module | None, tree, temperature: floa
     runs = []
     for new_tokens in (8, 40):
         with RoundTrips() as trips:
-            out = generate(model, PROMPT, heads, max_new_tokens=new_tokens, tree=tree,
-                           temperature=temperature, seed=0)
+            out = generate(
+                model, PROMPT, heads, max_new_tokens=new_tokens, tree=tree, temperature=temperature, seed=0
+            )
         runs.append((trips.count, out.steps, out.tau))
     (short, short_steps, _), (long, long_steps, tau) = runs
     assert long_steps > short_steps
@@ -110,9 +113,14 @@ def test_plain_decoding_round_trips(build_target):
 def test_the_counter_sees_each_kind_of_round_trip(sync):
     """The negative control: each way of reading the device (or writing Python data to it) is counted."""
     x = torch.arange(6.0)
-    run = {"item": lambda: x[2].item(), "int": lambda: int(x.argmax()), "bool": lambda: bool((x > 2).any()),
-           "tolist": lambda: x.tolist(), "nonzero": lambda: (x > 2).nonzero(),
-           "upload": lambda: x[[0, 3]]}[sync]  # fmt: skip
+    run = {
+        "item": lambda: x[2].item(),
+        "int": lambda: int(x.argmax()),
+        "bool": lambda: bool((x > 2).any()),
+        "tolist": lambda: x.tolist(),
+        "nonzero": lambda: (x > 2).nonzero(),
+        "upload": lambda: x[[0, 3]],
+    }[sync]
     with RoundTrips() as idle:
         x.mul(2).argmax(-1)
     with RoundTrips() as trips:

@@ -1,6 +1,6 @@
-"""decode/layout.py: the transposed weight copy and the MKL-packed weights compute the same products, are used only
-for the row counts they are meant for, and speculative decoding on pretransposed and packed models still equals
-plain decoding token for token."""
+"""decode/layout.py: the transposed weight copy and the MKL-packed weights compute the same products, are
+used only for the row counts they are meant for, and speculative decoding on pretransposed and packed models
+still equals plain decoding token for token."""
 
 import copy
 
@@ -112,7 +112,8 @@ def test_packed_weight_is_read_at_exactly_its_row_count_and_replaced_or_dropped(
     layer = nn.Linear(8, 6)
     pretranspose_linears(layer, min_rows=2)
     pack_linears(layer, 3)
-    # poison: the buffer of a zero weight (an opaque MKL format, so packed by MKL itself); only 3-row passes read it
+    # poison: the buffer of a zero weight (an opaque MKL format, so packed by MKL itself); only 3-row passes
+    # read it
     layer._selfspec_packed = (3, torch.ops.mkl._mkl_reorder_linear_weight(torch.zeros_like(layer.weight), 3))
     rows = torch.randn(4, 8)
     assert torch.equal(layer(rows[:3]), layer.bias.expand(3, 6))
@@ -149,7 +150,10 @@ def test_pack_for_tree_packs_target_and_eagle_head_for_the_tree(build_target):
     pretranspose_linears(target)
     pretranspose_linears(head)
     pack_for_tree(target, head, None)  # the default EAGLE tree
-    assert packed_rows(target) == DEFAULT_EAGLE_TREE.total_tokens + 1 and packed_rows(head) == DEFAULT_EAGLE_TREE.top_k
+    assert (
+        packed_rows(target) == DEFAULT_EAGLE_TREE.total_tokens + 1
+        and packed_rows(head) == DEFAULT_EAGLE_TREE.top_k
+    )
     pack_for_tree(target, head, "tree8")  # static: the head's rows vary per level, it is not packed
     assert packed_rows(target) == verify_rows("tree8") and packed_rows(head) is None
     pack_for_tree(target, medusa, None)  # the default Medusa tree, cut to the 3 heads' depth
@@ -179,7 +183,9 @@ def test_verify_cost_is_measured_packed_and_leaves_the_packing_as_it_was(build_t
 @needs_mkl
 @pytest.mark.parametrize("tree", [DynamicTree(depth=4, top_k=3, total_tokens=9), "tree8"], ids=str)
 def test_greedy_speculative_decoding_on_packed_models_equals_plain(any_target, tree, rank_oracle):
-    plain = generate(any_target, PROMPT, max_new_tokens=48).sequences  # the oracle knows 8 tokens more than decoded
+    plain = generate(
+        any_target, PROMPT, max_new_tokens=48
+    ).sequences  # the oracle knows 8 tokens more than decoded
     target = copy.deepcopy(any_target)
     with torch.no_grad():
         features = target(plain, output_hidden_states=True).hidden_states[-1][0]
@@ -239,8 +245,9 @@ def test_greedy_decoding_with_int8_drafts_equals_plain_and_leaves_the_target_alo
     elif kind == "eagle1":
         heads = EagleHead(EagleConfig.from_target(target.config, "eagle1")).eval()
     else:
-        heads = MedusaHeads(MedusaConfig(hidden_size=32, vocab_size=128, num_heads=4,
-                                         share_lm_head=kind == "medusa_shared")).eval()
+        heads = MedusaHeads(
+            MedusaConfig(hidden_size=32, vocab_size=128, num_heads=4, share_lm_head=kind == "medusa_shared")
+        ).eval()
         heads.init_from_lm_head(lm_weight)
     shares = kind in ("eagle1", "medusa_shared")
     if shares:
@@ -261,8 +268,11 @@ def test_int8_heads_are_not_saved(build_target, tmp_path):
     from heads.io import save_heads
 
     head = quantize_draft(_eagle3(build_target("llama")))
-    with pytest.raises(ValueError, match=r"holds 8 quantized layers \(midlayer.self_attn.q_proj, midlayer.self_attn."
-                                         r"k_proj, midlayer.self_attn.v_proj, \.\.\.\): int8 drafts are for decoding"):
+    with pytest.raises(
+        ValueError,
+        match=r"holds 8 quantized layers \(midlayer.self_attn.q_proj, midlayer.self_attn."
+        r"k_proj, midlayer.self_attn.v_proj, \.\.\.\): int8 drafts are for decoding",
+    ):
         save_heads(head, tmp_path / "head", base_model="tiny")
     assert not (tmp_path / "head").exists()
 
@@ -270,5 +280,7 @@ def test_int8_heads_are_not_saved(build_target, tmp_path):
 @needs_fbgemm
 def test_quantize_draft_refuses_heads_it_cannot_serve(build_target):
     head = _eagle3(build_target("llama")).to(torch.bfloat16)
-    with pytest.raises(ValueError, match=r"fp32 heads on the CPU; these heads hold \['torch.bfloat16 on cpu'\]"):
+    with pytest.raises(
+        ValueError, match=r"fp32 heads on the CPU; these heads hold \['torch.bfloat16 on cpu'\]"
+    ):
         quantize_draft(head)

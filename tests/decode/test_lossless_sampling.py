@@ -1,7 +1,8 @@
 """Statistical losslessness of speculative SAMPLING: the emitted tokens follow the target's distribution.
 
 Every token emitted by `generate` is scored against the target's exact conditional distribution given its
-prefix (`fit_pvalue`); a chi-square goodness-of-fit test must NOT reject for the lossless rule and MUST reject for deliberately biased rules (negative controls: the test is shown able to fail).
+prefix (`fit_pvalue`); a chi-square goodness-of-fit test must NOT reject for the lossless rule and MUST
+reject for deliberately biased rules (negative controls: the test is shown able to fail).
 """
 
 import importlib
@@ -22,8 +23,15 @@ PROMPT = torch.tensor([[1, 4, 2]])
 
 @pytest.fixture(scope="module")
 def target():
-    cfg = AutoConfig.for_model("llama", hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                               num_attention_heads=2, num_key_value_heads=1, vocab_size=VOCAB)
+    cfg = AutoConfig.for_model(
+        "llama",
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=VOCAB,
+    )
     torch.manual_seed(3)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
     with torch.no_grad():  # peaky and nearly Markov: a biased rule then moves mass the same way everywhere
@@ -39,15 +47,21 @@ def emitted_with_exact_probs(model, heads, tree, seed_base, sampling, **kwargs):
     """Every emitted token, the token before it, the target's exact p_t given the whole prefix, and tau."""
     tokens, previous, probs, taus = [], [], [], []
     for run in range(RUNS):
-        out = generate(model, PROMPT, heads, max_new_tokens=NEW, tree=tree, seed=seed_base + run, **sampling,
-                       **kwargs)
+        out = generate(
+            model, PROMPT, heads, max_new_tokens=NEW, tree=tree, seed=seed_base + run, **sampling, **kwargs
+        )
         seq = out.sequences
         with torch.no_grad():
             probs.append(target_probs(model(seq).logits[0, PROMPT.shape[1] - 1 : -1], **sampling).double())
-        tokens.append(seq[0, PROMPT.shape[1]:])
+        tokens.append(seq[0, PROMPT.shape[1] :])
         previous.append(seq[0, PROMPT.shape[1] - 1 : -1])
         taus.append(out.tau)
-    return torch.cat(tokens).numpy(), torch.cat(previous).numpy(), torch.cat(probs).numpy(), float(np.mean(taus))
+    return (
+        torch.cat(tokens).numpy(),
+        torch.cat(previous).numpy(),
+        torch.cat(probs).numpy(),
+        float(np.mean(taus)),
+    )
 
 
 def fit_pvalue(model, heads, tree, seed_base, sampling=None, min_tau=None, **kwargs) -> float:
@@ -80,7 +94,9 @@ def make_heads(model, kind, std=2.0):
         for proj in heads.lm_heads:  # random and unlike the target; small std = a flat draft
             torch.nn.init.normal_(proj.weight, std=std)
         return heads
-    head = EagleHead(EagleConfig.from_target(model.config, kind, **({"draft_vocab_size": 4} if kind == "eagle3" else {})))
+    head = EagleHead(
+        EagleConfig.from_target(model.config, kind, **({"draft_vocab_size": 4} if kind == "eagle3" else {}))
+    )
     if kind == "eagle3":
         head.set_draft_vocab(torch.tensor([0, 2, 3, 5]))
         torch.nn.init.normal_(head.lm_head.weight, std=2.0)
@@ -95,9 +111,13 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("kind,tree,sampling", CASES, ids=["medusa", "eagle1-dynamic", "eagle3", "eagle1-topk-topp"])
+@pytest.mark.parametrize(
+    "kind,tree,sampling", CASES, ids=["medusa", "eagle1-dynamic", "eagle3", "eagle1-topk-topp"]
+)
 def test_speculative_sampling_matches_target_distribution(target, kind, tree, sampling):
-    pvalue = fit_pvalue(target, make_heads(target, kind), tree, seed_base=1000, sampling=sampling, min_tau=1.2)
+    pvalue = fit_pvalue(
+        target, make_heads(target, kind), tree, seed_base=1000, sampling=sampling, min_tau=1.2
+    )
     assert pvalue > 1e-3, f"{kind}: speculative sampling deviates from the target (chi-square p={pvalue:.2e})"
 
 
@@ -128,12 +148,16 @@ def _accept_with_unit_draft_probability(tree, target_logits, temperature, top_p,
 
 
 def test_negative_control_unit_draft_probability_is_detected(target, monkeypatch):
-    monkeypatch.setattr(importlib.import_module("decode.generate"), "accept_sampling", _accept_with_unit_draft_probability)
+    monkeypatch.setattr(
+        importlib.import_module("decode.generate"), "accept_sampling", _accept_with_unit_draft_probability
+    )
     # the bias of this rule is largest for a flat draft (x ~ q nearly uniform, kept with probability p(x))
     pvalue = fit_pvalue(target, make_heads(target, "medusa", std=0.1), CASES[0][1], seed_base=1000)
     assert pvalue < 1e-3, "the test failed to detect a biased acceptance rule"
 
 
 def test_negative_control_typical_acceptance_is_detected(target):
-    pvalue = fit_pvalue(target, make_heads(target, "medusa"), CASES[0][1], seed_base=1000, acceptance="typical")
+    pvalue = fit_pvalue(
+        target, make_heads(target, "medusa"), CASES[0][1], seed_base=1000, acceptance="typical"
+    )
     assert pvalue < 1e-3, "typical acceptance should be detected as lossy"

@@ -27,8 +27,15 @@ def target():
 @pytest.fixture(scope="module")
 def prompts(target):
     _, tokenizer = target
-    return [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                          return_tensors="pt", return_dict=True)["input_ids"] for p in PROMPTS]
+    return [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}],
+            add_generation_prompt=True,
+            return_tensors="pt",
+            return_dict=True,
+        )["input_ids"]
+        for p in PROMPTS
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +71,9 @@ def test_plain_loop_matches_transformers_generate(target, prompts, plain_outputs
     assert torch.equal(theirs, plain.sequences)
 
 
-@pytest.mark.parametrize("tree", [DynamicTree(depth=5, top_k=3, total_tokens=12), "tree8"], ids=["dynamic", "tree8"])
+@pytest.mark.parametrize(
+    "tree", [DynamicTree(depth=5, top_k=3, total_tokens=12), "tree8"], ids=["dynamic", "tree8"]
+)
 def test_deep_acceptance_on_default_target_is_lossless(target, prompts, plain_outputs, rank_oracle, tree):
     """Random heads accept little; an oracle that ranks the true continuation first (60%) or second (25%)
     makes the real fp32 target accept deep paths through rank-1 nodes (cache compaction off the chain)."""

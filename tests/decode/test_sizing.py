@@ -1,8 +1,9 @@
-"""Tests for decode/sizing.py: acceptance per (depth, rank) from generate's statistics, the best-first tree and its
-expected tokens, the cost-model search, and the cost measurements on a tiny target.
+"""Tests for decode/sizing.py: acceptance per (depth, rank) from generate's statistics, the best-first tree
+and its expected tokens, the cost-model search, and the cost measurements on a tiny target.
 
-A rank oracle drafter (tests/conftest.py: it knows the plain greedy continuation and puts the true next token at rank r with given
-probabilities) makes the acceptance model exact, so predicted E[tokens] can be checked against measured tau.
+A rank oracle drafter (tests/conftest.py: it knows the plain greedy continuation and puts the true next token
+at rank r with given probabilities) makes the acceptance model exact, so predicted E[tokens] can be checked
+against measured tau.
 """
 
 import itertools
@@ -28,13 +29,21 @@ PROMPT = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(1
 
 
 def _output(accepted, offered) -> GenerateOutput:
-    return GenerateOutput(sequences=torch.zeros(1, 1), new_tokens=0, tau=1.0, target_forwards=1, steps=0,
-                          accepted_ranks=accepted, offered_ranks=offered)  # fmt: skip
+    return GenerateOutput(
+        sequences=torch.zeros(1, 1),
+        new_tokens=0,
+        tau=1.0,
+        target_forwards=1,
+        steps=0,
+        accepted_ranks=accepted,
+        offered_ranks=offered,
+    )
 
 
 def test_rank_acceptance_divides_accepted_by_offered_and_pools_runs():
     runs = [_output([[5, 1], [2, 1]], [[10, 10], [6, 4], [3]]), _output([[4]], [[10, 10], [4, 4]])]
-    # depth 1: ranks 0/1 accepted 9/1 of 20 offers; depth 2: 2/1 of 10/8; depth 3: offered 3 times, never taken
+    # depth 1: ranks 0/1 accepted 9/1 of 20 offers; depth 2: 2/1 of 10/8; depth 3: offered 3 times, never
+    # taken
     assert rank_acceptance(runs) == [[0.45, 0.05], [0.2, 0.125], [0.0]]
     assert rank_acceptance([_output([], [])]) == []  # plain decoding measures nothing
 
@@ -54,7 +63,8 @@ def test_best_tree_takes_most_probable_nodes():
 
 @pytest.mark.parametrize("alpha, k", [(0.5, 1), (0.7, 4), (0.9, 6)])
 def test_chain_matches_closed_form(alpha, k):
-    """REFERENCE section 1: a chain of k drafts with iid acceptance alpha yields (1 - alpha^(k+1)) / (1 - alpha)."""
+    """REFERENCE section 1: a chain of k drafts with iid acceptance alpha yields (1 - alpha^(k+1)) / (1 -
+    alpha)."""
     expected, paths = best_tree([[alpha]] * k, budget=k)
     assert paths == [(0,) * d for d in range(1, k + 1)]
     assert expected == pytest.approx((1 - alpha ** (k + 1)) / (1 - alpha))
@@ -117,8 +127,10 @@ def test_measured_acceptance_predicts_tau(build_target, rank_oracle, tree):
     model = build_target("llama")
     probs = [0.6, 0.25]
     sequence = generate(model, PROMPT, max_new_tokens=216).sequences[0].tolist()
-    runs = [generate(model, PROMPT, rank_oracle(sequence, 128, probs, seed=s), max_new_tokens=200, tree=tree)
-            for s in range(3)]  # fmt: skip
+    runs = [
+        generate(model, PROMPT, rank_oracle(sequence, 128, probs, seed=s), max_new_tokens=200, tree=tree)
+        for s in range(3)
+    ]
     acceptance = rank_acceptance(runs)
     assert len(acceptance) == 3
     for depth in range(2):  # depths 1-2 have both ranks in the tree; depth 3 rank 0 only
@@ -169,5 +181,10 @@ def test_verify_costs_are_timed_in_interleaved_rounds_and_made_monotone(build_ta
     # prefill, then per round every size once (a warm-up pass and a timed pass): a slow spell hits all sizes
     assert seen == [16] + [2, 2, 6, 6] * 3
     # a measured outlier at n=8 (a noisy spell) is capped by the cheaper larger size: pad 8 tokens to 12
-    assert monotone_costs({1: 0.05, 4: 0.06, 8: 0.32, 12: 0.09, 16: 0.08}) == \
-        {1: 0.05, 4: 0.06, 8: 0.08, 12: 0.08, 16: 0.08}  # fmt: skip
+    assert monotone_costs({1: 0.05, 4: 0.06, 8: 0.32, 12: 0.09, 16: 0.08}) == {
+        1: 0.05,
+        4: 0.06,
+        8: 0.08,
+        12: 0.08,
+        16: 0.08,
+    }

@@ -75,8 +75,11 @@ def test_single_node_tree_is_a_plain_step(build_target):
 
 
 def test_tree_attention_mask_values():
-    ancestors = DraftTree(tokens=torch.zeros(4, dtype=torch.long), parents=torch.tensor([-1, 0, 0, 1]),
-                          ranks=torch.tensor([0, 0, 1, 0])).ancestors
+    ancestors = DraftTree(
+        tokens=torch.zeros(4, dtype=torch.long),
+        parents=torch.tensor([-1, 0, 0, 1]),
+        ranks=torch.tensor([0, 0, 1, 0]),
+    ).ancestors
     mask = tree_attention_mask(ancestors, past_length=2, dtype=torch.float32)
     assert mask.shape == (1, 1, 4, 6) and mask.dtype == torch.float32
     allowed = torch.tensor(

@@ -74,9 +74,16 @@ def test_accepted_tree_paths_on_cuda_equal_plain_decoding(tiny_llama, rank_oracl
 def _tiny_target_dir(path: Path) -> Path:
     """A random 4-layer llama with the SmolLM2 tokenizer (chat template), as in tests/train/conftest.py."""
     tokenizer = AutoTokenizer.from_pretrained(materialize_default_target())
-    config = AutoConfig.for_model("llama", hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=len(tokenizer),
-                                  tie_word_embeddings=True)
+    config = AutoConfig.for_model(
+        "llama",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=len(tokenizer),
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
@@ -92,24 +99,47 @@ def _reset_accelerate() -> None:
 
 def test_recipe_on_cuda_with_bf16_autocast_keeps_the_head_fp32(tmp_path, monkeypatch):
     chats = tmp_path / "train.jsonl"
-    rows = [{"messages": [{"role": "user", "content": f"What is {i} plus {i}?"},
-                          {"role": "assistant", "content": f"The answer is {2 * i}. " * (1 + i % 7)}]}
-            for i in range(40)]
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": f"What is {i} plus {i}?"},
+                {"role": "assistant", "content": f"The answer is {2 * i}. " * (1 + i % 7)},
+            ]
+        }
+        for i in range(40)
+    ]
     chats.write_text("".join(json.dumps(row) + "\n" for row in rows))
     out = tmp_path / "run"
     seen = []  # per loss call: head device, head dtypes, autocast on, autocast dtype, feature dtype
     loss = train.eagle.eagle3_ttt_loss
 
     def spy(head, features, *args, **kwargs):
-        seen.append((next(head.parameters()).device.type, frozenset(p.dtype for p in head.parameters()),
-                     torch.is_autocast_enabled(DEVICE), torch.get_autocast_dtype(DEVICE), features.dtype))
+        seen.append(
+            (
+                next(head.parameters()).device.type,
+                frozenset(p.dtype for p in head.parameters()),
+                torch.is_autocast_enabled(DEVICE),
+                torch.get_autocast_dtype(DEVICE),
+                features.dtype,
+            )
+        )
         return loss(head, features, *args, **kwargs)
 
     monkeypatch.setattr(train.eagle, "eagle3_ttt_loss", spy)
-    cfg = load_config(EagleRunConfig, ROOT / "configs" / "tiny_test.yaml", [
-        f"model.target='{_tiny_target_dir(tmp_path / 'tiny_llama')}'", f"data.train_files=['{chats}']",
-        f"train.output_dir='{out}'", "model.dtype=bfloat16", "model.attn_implementation=sdpa",
-        "train.mixed_precision=bf16", "train.max_steps=3", "eagle.draft_vocab_size=256"])
+    cfg = load_config(
+        EagleRunConfig,
+        ROOT / "configs" / "tiny_test.yaml",
+        [
+            f"model.target='{_tiny_target_dir(tmp_path / 'tiny_llama')}'",
+            f"data.train_files=['{chats}']",
+            f"train.output_dir='{out}'",
+            "model.dtype=bfloat16",
+            "model.attn_implementation=sdpa",
+            "train.mixed_precision=bf16",
+            "train.max_steps=3",
+            "eagle.draft_vocab_size=256",
+        ],
+    )
     _reset_accelerate()
     try:
         train.eagle.main(cfg)  # tiny_test also evaluates each step: eval loss and a greedy generate (tau)
@@ -122,6 +152,10 @@ def test_recipe_on_cuda_with_bf16_autocast_keeps_the_head_fp32(tmp_path, monkeyp
     for weights in (load_file(out / "head" / "model.safetensors"), load_file(state / "model.safetensors")):
         assert {t.dtype for t in weights.values() if t.is_floating_point()} == {torch.float32}
     optimizer = torch.load(state / "optimizer.bin", map_location="cpu", weights_only=True)
-    moments = [t for entry in optimizer["state"].values() for t in entry.values()
-               if t.is_floating_point() and t.dim()]  # exp_avg, exp_avg_sq (not the 0-d step count)
+    moments = [
+        t
+        for entry in optimizer["state"].values()
+        for t in entry.values()
+        if t.is_floating_point() and t.dim()
+    ]  # exp_avg, exp_avg_sq (not the 0-d step count)
     assert moments and {t.dtype for t in moments} == {torch.float32}

@@ -147,7 +147,8 @@ BRANCHING = [[0, 0], [1, 1, 2], [4]]  # two siblings at depth 1; node 4 (2nd chi
 
 
 def _causal_path_outputs(head, drafter, feats, tokens, path_tokens):
-    """Reference: run the head causally (no cache, no tree) over committed inputs + one path, token by token."""
+    """Reference: run the head causally (no cache, no tree) over committed inputs + one path, token by
+    token."""
     embed = drafter.embed
     hiddens = []
     for step in range(len(path_tokens) + 1):

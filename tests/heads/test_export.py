@@ -1,4 +1,5 @@
-"""Tests for heads/export.py: every format round-trips exactly, validators list every defect, mismatches refuse."""
+"""Tests for heads/export.py: every format round-trips exactly, validators list every defect, mismatches
+refuse."""
 
 import json
 import runpy
@@ -322,5 +323,7 @@ def test_import_takes_a_hub_snapshot_with_readme_but_not_stray_weights(tmp_path,
     with pytest.raises(ValueError, match="expected exactly"):
         validate_export(sglang_export, "sglang")
     (sglang_export / "model-00002-of-00002.safetensors").write_bytes(b"")
-    with pytest.raises(ValueError, match=r"no other weight files \(found \['model-00002-of-00002.safetensors'\]\)"):
+    with pytest.raises(
+        ValueError, match=r"no other weight files \(found \['model-00002-of-00002.safetensors'\]\)"
+    ):
         import_head(sglang_export, target=llama)

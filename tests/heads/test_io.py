@@ -1,4 +1,5 @@
-"""Tests for heads/io.py: the export folder (config.json + model.safetensors), strict loading, target checks."""
+"""Tests for heads/io.py: the export folder (config.json + model.safetensors), strict loading, target
+checks."""
 
 import copy
 import json
@@ -192,7 +193,9 @@ def test_head_follows_the_target_dtype_and_device_unless_told(tmp_path, llama, k
     follows = load_heads(path, bf16_target)
     floats = {p.dtype for p in follows.parameters() if p.is_floating_point()}
     assert floats == {torch.bfloat16} and {p.device for p in follows.parameters()} == {bf16_target.device}
-    assert {p.dtype for p in load_heads(path, bf16_target, dtype=torch.float32).parameters()} == {torch.float32}
+    assert {p.dtype for p in load_heads(path, bf16_target, dtype=torch.float32).parameters()} == {
+        torch.float32
+    }
     meta = load_heads(path, bf16_target, device="meta")  # an explicit device wins over the target's
     assert {p.device.type for p in meta.parameters()} == {"meta"}
     saved = load_heads(path, bf16_target.config)  # a bare config carries no device or dtype: as saved, CPU

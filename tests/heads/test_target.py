@@ -228,7 +228,10 @@ def test_revision_reaches_model_and_tokenizer_and_weights_load_onto_the_device(m
     monkeypatch.setattr(target.AutoTokenizer, "from_pretrained", fake_tokenizer)
     load_target("org/some-model", revision="0123abc", device="cpu", dtype=torch.bfloat16)
     assert calls["model"]["revision"] == "0123abc" and calls["tokenizer"]["revision"] == "0123abc"
-    assert calls["model"]["device_map"] == {"": torch.device("cpu")} and calls["model"]["dtype"] == torch.bfloat16
+    assert (
+        calls["model"]["device_map"] == {"": torch.device("cpu")}
+        and calls["model"]["dtype"] == torch.bfloat16
+    )
 
 
 def test_revision_of_the_default_target_is_refused():

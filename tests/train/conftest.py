@@ -29,9 +29,16 @@ def tiny_target_dir(tmp_path_factory) -> Path:
     """A random 4-layer llama (H=32, tied embeddings) saved with the SmolLM2 tokenizer, so the recipe's
     chat template, masking and draft-vocabulary code run on a real 49k vocabulary. No network."""
     tokenizer = AutoTokenizer.from_pretrained(materialize_default_target())
-    config = AutoConfig.for_model("llama", hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=len(tokenizer),
-                                  tie_word_embeddings=True)
+    config = AutoConfig.for_model(
+        "llama",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=len(tokenizer),
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
     path = tmp_path_factory.mktemp("tiny_llama")
@@ -43,9 +50,15 @@ def tiny_target_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def chat_file(tmp_path_factory) -> Path:
     """40 one-turn chats of varied length (most are truncated at tiny_test's max_length of 64)."""
-    rows = [{"messages": [{"role": "user", "content": f"Question {i}: what is {i} plus {i}?"},
-                          {"role": "assistant", "content": f"The answer is {2 * i}. " * (1 + i % 7)}]}
-            for i in range(40)]
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": f"Question {i}: what is {i} plus {i}?"},
+                {"role": "assistant", "content": f"The answer is {2 * i}. " * (1 + i % 7)},
+            ]
+        }
+        for i in range(40)
+    ]
     path = tmp_path_factory.mktemp("chats") / "train.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
     return path
@@ -55,9 +68,15 @@ def chat_file(tmp_path_factory) -> Path:
 def overrides(tiny_target_dir, chat_file):
     """`overrides(output_dir, *extra, train_file=None)`: CLI overrides pointing tiny_test.yaml at the
     fixtures."""
+
     def make(output_dir, *extra: str, train_file: Path | None = None) -> list[str]:
-        return [f"model.target='{tiny_target_dir}'", f"data.train_files=['{train_file or chat_file}']",
-                f"train.output_dir='{output_dir}'", *extra]
+        return [
+            f"model.target='{tiny_target_dir}'",
+            f"data.train_files=['{train_file or chat_file}']",
+            f"train.output_dir='{output_dir}'",
+            *extra,
+        ]
+
     return make
 
 
@@ -90,6 +109,7 @@ def run_recipe():
         finally:
             _reset_accelerate()
             torch.set_num_threads(threads)
+
     return run
 
 
@@ -100,23 +120,38 @@ def _subprocess_env() -> dict[str, str]:
     return env
 
 
-def _launch_command(script: str | list[str], args: list[str],
-                    accelerate_config: str | None = None) -> list[str]:
+def _launch_command(
+    script: str | list[str], args: list[str], accelerate_config: str | None = None
+) -> list[str]:
     """`python <script> configs/tiny_test.yaml <args>`, or the same under `accelerate launch --config_file
     configs/accelerate/<accelerate_config>`; paths relative to the repository root, as a user types them.
     `script` may be a list: a wrapper script and its arguments (the recipe it runs)."""
     script = [script] if isinstance(script, str) else list(script)
     if accelerate_config is None:
         return [sys.executable, *script, "configs/tiny_test.yaml", *args]
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-            f"configs/accelerate/{accelerate_config}", *script, "configs/tiny_test.yaml", *args]
+    return [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        f"configs/accelerate/{accelerate_config}",
+        *script,
+        "configs/tiny_test.yaml",
+        *args,
+    ]
 
 
 def _start(command: list[str], log: Path) -> subprocess.Popen:
     """Start `command` from the repository root in its own process group, output to `log`."""
     with open(log, "w") as out:
-        return subprocess.Popen(command, cwd=ROOT, env=_subprocess_env(), stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(
+            command,
+            cwd=ROOT,
+            env=_subprocess_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
 
 def _stop(process: subprocess.Popen) -> None:
@@ -147,18 +182,23 @@ def cli():
     return SimpleNamespace(command=_launch_command, run=_run_command, start=_start, stop=_stop)
 
 
-# 2-rank runs on uniform data, shared by the multi-process tests (test_distributed*.py, test_multinode.py). Why
-# uniform data: test_distributed.py's docstring (per-rank token means weigh every sequence alike only when all
-# sequences have as many loss tokens).
-TWO_RANK_ARGS = ["train.eval_tau_prompts=0", "data.eval_fraction=0", "eagle.draft_vocab_size=256",
-                 "train.max_steps=3", "train.per_device_batch_size=1"]  # global batch 2 = 2 processes x 1
+# 2-rank runs on uniform data, shared by the multi-process tests (test_distributed*.py, test_multinode.py).
+# Why uniform data: test_distributed.py's docstring (per-rank token means weigh every sequence alike only
+# when all sequences have as many loss tokens).
+TWO_RANK_ARGS = [
+    "train.eval_tau_prompts=0",
+    "data.eval_fraction=0",
+    "eagle.draft_vocab_size=256",
+    "train.max_steps=3",
+    "train.per_device_batch_size=1",
+]  # global batch 2 = 2 processes x 1
 # Evaluation after every step (held-out loss on every rank, simulated tau of one 8-token prompt on the main
 # process), added to 2-rank runs: it draws nothing from the training RNG, so the weights do not change.
 EVAL_EVERY_STEP = ["train.eval_tau_prompts=1", "train.eval_every_steps=1"]
 
 # Runs a recipe as `__main__` and, at every export, also saves the head THIS rank holds (out/rank<i>), so a
 # test can compare the ranks' own weights; the recipe itself writes the export from the main process only.
-PER_RANK = '''
+PER_RANK = """
     import runpy
     import sys
     from pathlib import Path
@@ -180,16 +220,22 @@ PER_RANK = '''
     train.checkpoint.export_head = export_and_dump  # the recipe imports it when runpy executes it below
     sys.argv = sys.argv[1:]
     runpy.run_path(sys.argv[0], run_name="__main__")
-'''
+"""
 
 
 @pytest.fixture(scope="session")
 def uniform_chats(tmp_path_factory, tiny_target_dir) -> Path:
     """40 chats with one prompt and long, different replies: every example fills max_length (64) and has the
     same loss mask, so per-rank and per-batch token means weigh each sequence alike."""
-    rows = [{"messages": [{"role": "user", "content": "Count for me, please."},
-                          {"role": "assistant", "content": " ".join(str(7 * i + j) for j in range(40))}]}
-            for i in range(40)]
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": "Count for me, please."},
+                {"role": "assistant", "content": " ".join(str(7 * i + j) for j in range(40))},
+            ]
+        }
+        for i in range(40)
+    ]
     path = tmp_path_factory.mktemp("uniform") / "train.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
     dataset, _ = build_dataset(path, AutoTokenizer.from_pretrained(tiny_target_dir), max_length=64)
@@ -200,11 +246,14 @@ def uniform_chats(tmp_path_factory, tiny_target_dir) -> Path:
 
 @pytest.fixture(scope="session")
 def two_rank_args(overrides, uniform_chats):
-    """`two_rank_args(output_dir, *extra, evaluate=False)`: tiny_test.yaml overrides, 3 steps of 1 uniform chat
-    per rank; `evaluate` adds EVAL_EVERY_STEP on a held-out file (the training file itself: any file does)."""
+    """`two_rank_args(output_dir, *extra, evaluate=False)`: tiny_test.yaml overrides, 3 steps of 1 uniform
+    chat per rank; `evaluate` adds EVAL_EVERY_STEP on a held-out file (the training file itself: any file
+    does)."""
+
     def make(output_dir, *extra: str, evaluate: bool = False) -> list[str]:
         evaluation = [*EVAL_EVERY_STEP, f"data.eval_files=['{uniform_chats}']"] if evaluate else []
         return overrides(output_dir, *TWO_RANK_ARGS, *evaluation, *extra, train_file=uniform_chats)
+
     return make
 
 
@@ -221,6 +270,9 @@ def ddp(tmp_path_factory, two_rank_args, per_rank_script, cli) -> tuple[Path, st
     """The 2-process DDP reference (configs/accelerate/ddp_cpu.yaml, gloo), evaluating after every step:
     (run folder, log)."""
     out = tmp_path_factory.mktemp("ddp") / "run"
-    command = cli.command([per_rank_script, "train/eagle.py"], two_rank_args(out, evaluate=True),
-                          accelerate_config="ddp_cpu.yaml")
+    command = cli.command(
+        [per_rank_script, "train/eagle.py"],
+        two_rank_args(out, evaluate=True),
+        accelerate_config="ddp_cpu.yaml",
+    )
     return out, cli.run(command, out.parent / "log.txt", timeout=300)

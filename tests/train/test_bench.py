@@ -42,21 +42,63 @@ def head_dirs(tiny_target_dir, tmp_path_factory):
 def test_bench_runs_every_method_and_writes_reports(tmp_path, tiny_target_dir, head_dirs, capsys):
     bench = runpy.run_path(str(SCRIPT))
     out = tmp_path / "out"
-    results = bench["main"]([
-        "--model", str(tiny_target_dir), "--eagle3", str(head_dirs / "eagle3"), "--eagle1", str(head_dirs / "eagle1"),
-        "--medusa1", str(head_dirs / "medusa1"), "--medusa2", str(head_dirs / "medusa2"), "--prompts", "1",
-        "--calibration-prompts", "1", "--max-new-tokens", "12", "--temperatures", "0", "1", "--size-tree",
-        "--repeats", "1", "--threads", "1", "--eagle3-tree", "3", "2", "5", "--medusa1-tree", "6", "--out", str(out),
-    ])  # fmt: skip
+    results = bench["main"](
+        [
+            "--model",
+            str(tiny_target_dir),
+            "--eagle3",
+            str(head_dirs / "eagle3"),
+            "--eagle1",
+            str(head_dirs / "eagle1"),
+            "--medusa1",
+            str(head_dirs / "medusa1"),
+            "--medusa2",
+            str(head_dirs / "medusa2"),
+            "--prompts",
+            "1",
+            "--calibration-prompts",
+            "1",
+            "--max-new-tokens",
+            "12",
+            "--temperatures",
+            "0",
+            "1",
+            "--size-tree",
+            "--repeats",
+            "1",
+            "--threads",
+            "1",
+            "--eagle3-tree",
+            "3",
+            "2",
+            "5",
+            "--medusa1-tree",
+            "6",
+            "--out",
+            str(out),
+        ]
+    )
     assert torch.is_grad_enabled()  # the benchmark leaves the caller's grad mode alone
     printed = capsys.readouterr().out
     assert "### Temperature 0: tau / speedup per category" in printed and "### Temperature 1" in printed
-    assert sorted(p.name for p in out.iterdir()) == ["acceptance.png", "bench.json", "bench.md", "speedup_vs_tree.png"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "acceptance.png",
+        "bench.json",
+        "bench.md",
+        "speedup_vs_tree.png",
+    ]
     assert json.loads((out / "bench.json").read_text())["rows"] == results["rows"]
     assert results["pretransposed"] and "Linear weights pretransposed" in printed
     methods = {r["method"] for r in results["rows"]}
-    assert {"prompt lookup", "Medusa-1", "Medusa-2", "EAGLE-1", "EAGLE-3 static", "EAGLE-3 dynamic",
-            "EAGLE-3 dynamic 3/2/5"} <= methods
+    assert {
+        "prompt lookup",
+        "Medusa-1",
+        "Medusa-2",
+        "EAGLE-1",
+        "EAGLE-3 static",
+        "EAGLE-3 dynamic",
+        "EAGLE-3 dynamic 3/2/5",
+    } <= methods
     wide = next(r for r in results["rows"] if r["method"] == "Medusa-1 6 nodes")
     assert wide["tree"].startswith("measured acceptance: static, ") and wide["draft_nodes_per_step"] <= 6
     extra = next(r for r in results["rows"] if r["method"] == "EAGLE-3 dynamic 3/2/5")
@@ -65,7 +107,8 @@ def test_bench_runs_every_method_and_writes_reports(tmp_path, tiny_target_dir, h
         assert row["temperature"] in (0.0, 1.0) and row["category"] in ("chat", "instruction", "code", "all")
         assert row["tau"] >= 1.0 and row["speedup"] > 0 and row["tokens_per_second"] > 0
         assert all(0.0 <= a <= 1.0 for a in row["acceptance_per_depth"])
-        if row["temperature"] == 0 and row["method"] != "prompt lookup":  # ours: exactly plain greedy decoding
+        # ours: exactly plain greedy decoding
+        if row["temperature"] == 0 and row["method"] != "prompt lookup":
             assert row["identical_to_plain"] == row["prompts"]
         if row["method"] == "prompt lookup":
             assert row["draft_nodes_per_step"] is None  # transformers does not say how many it drafted
@@ -84,11 +127,29 @@ def test_bench_runs_every_method_and_writes_reports(tmp_path, tiny_target_dir, h
 
 def test_bench_int8_drafts_stay_lossless_and_are_reported(tmp_path, tiny_target_dir, head_dirs, capsys):
     bench = runpy.run_path(str(SCRIPT))
-    results = bench["main"]([
-        "--model", str(tiny_target_dir), "--eagle3", str(head_dirs / "eagle3"), "--eagle1", str(head_dirs / "eagle1"),
-        "--medusa2", str(head_dirs / "medusa2"), "--prompts", "1", "--max-new-tokens", "12", "--temperatures", "0",
-        "--threads", "1", "--int8-draft", "--out", str(tmp_path / "out"),
-    ])  # fmt: skip
+    results = bench["main"](
+        [
+            "--model",
+            str(tiny_target_dir),
+            "--eagle3",
+            str(head_dirs / "eagle3"),
+            "--eagle1",
+            str(head_dirs / "eagle1"),
+            "--medusa2",
+            str(head_dirs / "medusa2"),
+            "--prompts",
+            "1",
+            "--max-new-tokens",
+            "12",
+            "--temperatures",
+            "0",
+            "--threads",
+            "1",
+            "--int8-draft",
+            "--out",
+            str(tmp_path / "out"),
+        ]
+    )
     assert results["int8_draft"] == ["eagle1", "eagle3", "medusa2"]
     assert "int8 draft heads (EAGLE fc in fp32)" in capsys.readouterr().out
     rows = [r for r in results["rows"] if r["method"] != "prompt lookup"]
@@ -99,5 +160,7 @@ def test_bench_int8_drafts_stay_lossless_and_are_reported(tmp_path, tiny_target_
 def test_bench_medusa1_tree_needs_the_sizing(tmp_path, head_dirs, capsys):
     bench = runpy.run_path(str(SCRIPT))
     with pytest.raises(SystemExit):
-        bench["main"](["--medusa1", str(head_dirs / "medusa1"), "--medusa1-tree", "8", "--out", str(tmp_path)])
+        bench["main"](
+            ["--medusa1", str(head_dirs / "medusa1"), "--medusa1-tree", "8", "--out", str(tmp_path)]
+        )
     assert "--medusa1-tree needs --size-tree and --medusa1" in capsys.readouterr().err

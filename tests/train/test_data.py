@@ -71,9 +71,12 @@ def tokenizers() -> dict:
     path = materialize_default_target()
     smollm2, llama3, gemma = (AutoTokenizer.from_pretrained(path) for _ in range(3))
     llama3.add_special_tokens(
-        {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>",
-         "additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>"]}
-    )  # fmt: skip
+        {
+            "bos_token": "<|begin_of_text|>",
+            "eos_token": "<|eot_id|>",
+            "additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>"],
+        }
+    )
     llama3.chat_template = LLAMA3_TEMPLATE
     gemma.add_special_tokens(
         {"bos_token": "<bos>", "eos_token": "<end_of_turn>", "additional_special_tokens": ["<start_of_turn>"]}
@@ -133,9 +136,16 @@ def test_read_rows_json_list(tmp_path):
 
 
 def test_to_messages_formats():
-    sharegpt = {"conversations": [{"from": "system", "value": "s"}, {"from": "human", "value": "q"},
-                                  {"from": "gpt", "value": "a"}, {"from": "user", "value": "q2"},
-                                  {"from": "chatgpt", "value": "a2"}, {"from": "bing", "value": "a3"}]}  # fmt: skip
+    sharegpt = {
+        "conversations": [
+            {"from": "system", "value": "s"},
+            {"from": "human", "value": "q"},
+            {"from": "gpt", "value": "a"},
+            {"from": "user", "value": "q2"},
+            {"from": "chatgpt", "value": "a2"},
+            {"from": "bing", "value": "a3"},
+        ]
+    }
     assert [m["role"] for m in to_messages(sharegpt)] == ["system", "user", "assistant", "user"] + [
         "assistant"
     ] * 2
@@ -197,8 +207,8 @@ def test_mask_covers_exactly_assistant_tokens(tokenizers, name, turns):
 @pytest.mark.parametrize("name", ["smollm2", "llama3", "gemma"])
 @pytest.mark.parametrize("turns", [2, 4], ids=["single_turn", "multi_turn"])
 def test_a_cut_reply_trains_its_tokens_but_not_the_end_of_turn_marker(tokenizers, name, turns):
-    """A regenerated reply that hit the length cap (finish_reason "length") never chose to stop: the marker the
-    template writes after it is no target; earlier, finished replies keep theirs."""
+    """A regenerated reply that hit the length cap (finish_reason "length") never chose to stop: the marker
+    the template writes after it is no target; earlier, finished replies keep theirs."""
     tokenizer, messages = tokenizers[name], CHAT[:turns]
     normal = render_with_mask(tokenizer, messages, max_length=10_000)
     cut = render_with_mask(tokenizer, messages, max_length=10_000, cut_reply=True)
@@ -209,7 +219,10 @@ def test_a_cut_reply_trains_its_tokens_but_not_the_end_of_turn_marker(tokenizers
 
 
 def test_build_dataset_reads_finish_reason(tmp_path, tokenizers):
-    rows = [{"messages": CHAT[:2], "finish_reason": "length"}, {"messages": CHAT[:2], "finish_reason": "stop"}]
+    rows = [
+        {"messages": CHAT[:2], "finish_reason": "length"},
+        {"messages": CHAT[:2], "finish_reason": "stop"},
+    ]
     dataset, _ = build_dataset(_write(tmp_path / "regen.jsonl", rows), tokenizers["smollm2"], max_length=128)
     assert sum(dataset[1]["loss_mask"]) - sum(dataset[0]["loss_mask"]) == 1  # <|im_end|> is one token
 

@@ -1,7 +1,7 @@
-"""train/eagle.py on 2 CPU processes through `accelerate launch`: DDP over gloo, DeepSpeed ZeRO-1/2/3 and FSDP2,
-each checked against a 1-process run of the same global batch (2 x 1 sequences per step vs 1 x 2). The
-2-process runs also evaluate at every step (eval loss on every rank, simulated tau on the main process with the
-head gathered from the shards): a rank left waiting would hang the run past the launch timeout.
+"""train/eagle.py on 2 CPU processes through `accelerate launch`: DDP over gloo, DeepSpeed ZeRO-1/2/3 and
+FSDP2, each checked against a 1-process run of the same global batch (2 x 1 sequences per step vs 1 x 2). The
+2-process runs also evaluate at every step (eval loss on every rank, simulated tau on the main process with
+the head gathered from the shards): a rank left waiting would hang the run past the launch timeout.
 
 Equal weights need equal losses, and the recipe's loss is a token mean per process: with 2 ranks the step
 averages two per-sequence means, with 1 process it averages over all tokens of both sequences. These differ
@@ -28,11 +28,16 @@ from train.checkpoint import PROGRESS_FILE, latest_state
 
 pytestmark = pytest.mark.distributed
 
-COMMON = ["train.eval_tau_prompts=0", "data.eval_fraction=0", "eagle.draft_vocab_size=256",
-          "train.max_steps=3"]
-ONE_RANK = [*COMMON, "train.per_device_batch_size=2"]   # global batch 2 = 1 process x 2
+COMMON = [
+    "train.eval_tau_prompts=0",
+    "data.eval_fraction=0",
+    "eagle.draft_vocab_size=256",
+    "train.max_steps=3",
+]
+ONE_RANK = [*COMMON, "train.per_device_batch_size=2"]  # global batch 2 = 1 process x 2
 
 ATOL = 1e-5  # float32 sums in another order (gradient all-reduce, ZeRO partitions): ~1e-7 seen here
+
 
 def assert_evaluated(log: str, steps: int = 3) -> None:
     """Every step printed an eval loss and a simulated tau (the main process's line)."""
@@ -56,8 +61,9 @@ def single(tmp_path_factory, overrides, uniform_chats, run_recipe) -> Path:
     return out
 
 
-def test_ddp_matches_one_process_with_the_same_global_batch(ddp, single, tmp_path, overrides, uniform_chats,
-                                                            run_recipe):
+def test_ddp_matches_one_process_with_the_same_global_batch(
+    ddp, single, tmp_path, overrides, uniform_chats, run_recipe
+):
     out, log = ddp
     assert "2 process(es), DistributedType.MULTI_CPU" in log  # a real 2-rank group, not 2 lone processes
     assert_evaluated(log)
@@ -78,14 +84,16 @@ def test_ddp_ranks_end_with_identical_weights(ddp):
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_deepspeed_zero_trains_exports_and_matches_ddp(stage, ddp, tmp_path, two_rank_args,
-                                                       per_rank_script, cli, tiny_target_dir):
+def test_deepspeed_zero_trains_exports_and_matches_ddp(
+    stage, ddp, tmp_path, two_rank_args, per_rank_script, cli, tiny_target_dir
+):
     out = tmp_path / f"zero{stage}"
     # ZeRO-3 shards the head itself, so no rank holds whole weights to dump: run the plain recipe there
     script = "train/eagle.py" if stage == 3 else [per_rank_script, "train/eagle.py"]
     evaluate = stage == 3  # ZeRO-3: the sharded head is gathered for tau
-    command = cli.command(script, two_rank_args(out, evaluate=evaluate),
-                          accelerate_config=f"deepspeed_zero{stage}.yaml")
+    command = cli.command(
+        script, two_rank_args(out, evaluate=evaluate), accelerate_config=f"deepspeed_zero{stage}.yaml"
+    )
     log = cli.run(command, tmp_path / "log.txt", timeout=600)  # 600: the first launch compiles an op
     assert "2 process(es), DistributedType.DEEPSPEED" in log
     if evaluate:
@@ -112,8 +120,9 @@ def fsdp2_command(cli, args: list[str]) -> list[str]:
     return command[:at] + ["--fsdp_min_num_params", "2000"] + command[at:]
 
 
-def test_fsdp2_shards_the_head_trains_evaluates_resumes_and_matches_ddp(ddp, tmp_path, two_rank_args,
-                                                                        cli, monkeypatch):
+def test_fsdp2_shards_the_head_trains_evaluates_resumes_and_matches_ddp(
+    ddp, tmp_path, two_rank_args, cli, monkeypatch
+):
     """configs/accelerate/fsdp2.yaml as GPU users launch it, on 2 CPU processes. accelerate does not pick FSDP
     without a GPU, so the test-only switch FSDP_ON_CPU_ENV (train/common.py) flips the gloo group it builds to
     accelerate's FSDP2 path; that choice is all it bypasses. The log must show FSDP and the resume state must
@@ -143,21 +152,33 @@ def test_fsdp2_shards_the_head_trains_evaluates_resumes_and_matches_ddp(ddp, tmp
 
 
 def test_deepspeed_bf16_trains_online_and_from_an_offline_dump(tmp_path, two_rank_args, cli):
-    """Under DeepSpeed, bf16 means the engine holds the head in bf16 and runs no autocast: the recipe must hand
-    it bf16 inputs, online (a bf16 target) and offline (the dump reader gives float32 features)."""
+    """Under DeepSpeed, bf16 means the engine holds the head in bf16 and runs no autocast: the recipe must
+    hand it bf16 inputs, online (a bf16 target) and offline (the dump reader gives float32 features)."""
     bf16 = ["train.mixed_precision=bf16", "model.dtype=bfloat16"]
     online = tmp_path / "online"
-    log = cli.run(cli.command("train/eagle.py", two_rank_args(online, *bf16, evaluate=True),
-                              accelerate_config="deepspeed_zero2.yaml"), tmp_path / "online.txt", timeout=600)
+    log = cli.run(
+        cli.command(
+            "train/eagle.py",
+            two_rank_args(online, *bf16, evaluate=True),
+            accelerate_config="deepspeed_zero2.yaml",
+        ),
+        tmp_path / "online.txt",
+        timeout=600,
+    )
     assert "2 process(es), DistributedType.DEEPSPEED" in log
     assert_evaluated(log)
     states = tmp_path / "states"
     dump = two_rank_args(tmp_path / "unused", *bf16, f"data.offline_dir='{states}'")
-    cli.run(cli.command("scripts/dump_hidden_states.py", [*dump, "--shard-size", "8"]), tmp_path / "dump.txt", 300)
+    cli.run(
+        cli.command("scripts/dump_hidden_states.py", [*dump, "--shard-size", "8"]), tmp_path / "dump.txt", 300
+    )
     offline = tmp_path / "offline"
     args = two_rank_args(offline, *bf16, "data.hidden_states=offline", f"data.offline_dir='{states}'")
-    cli.run(cli.command("train/eagle.py", args, accelerate_config="deepspeed_zero2.yaml"),
-            tmp_path / "offline.txt", timeout=600)
+    cli.run(
+        cli.command("train/eagle.py", args, accelerate_config="deepspeed_zero2.yaml"),
+        tmp_path / "offline.txt",
+        timeout=600,
+    )
     for run in (online, offline):
         state = weights(run)
         assert json.loads((run / "head" / "config.json").read_text())["train_step"] == 3

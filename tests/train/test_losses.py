@@ -13,8 +13,15 @@ V, H = 64, 32
 
 @pytest.fixture(scope="module")
 def target():
-    cfg = AutoConfig.for_model("llama", hidden_size=H, intermediate_size=64, num_hidden_layers=4,
-                               num_attention_heads=4, num_key_value_heads=2, vocab_size=V)
+    cfg = AutoConfig.for_model(
+        "llama",
+        hidden_size=H,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=V,
+    )
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval().requires_grad_(False)
 
@@ -27,16 +34,24 @@ def _target_pass(model, head, ids):
 
 def test_ttt_mask_by_hand():
     allowed = ttt_attention_mask(4, 1, torch.float32, torch.device("cpu"))[0, 0] == 0
-    expected = torch.tensor([
-        # step-0 keys (t - 1 and before) | step-1 keys (self)
-        [0, 0, 0, 0, 1, 0, 0, 0],
-        [1, 0, 0, 0, 0, 1, 0, 0],
-        [1, 1, 0, 0, 0, 0, 1, 0],
-        [1, 1, 1, 0, 0, 0, 0, 1],
-    ], dtype=torch.bool)
+    expected = torch.tensor(
+        [
+            # step-0 keys (t - 1 and before) | step-1 keys (self)
+            [0, 0, 0, 0, 1, 0, 0, 0],
+            [1, 0, 0, 0, 0, 1, 0, 0],
+            [1, 1, 0, 0, 0, 0, 1, 0],
+            [1, 1, 1, 0, 0, 0, 0, 1],
+        ],
+        dtype=torch.bool,
+    )
     assert torch.equal(allowed, expected)
     allowed2 = ttt_attention_mask(4, 2, torch.float32, torch.device("cpu"))[0, 0] == 0
-    assert allowed2[3].nonzero().flatten().tolist() == [0, 1, 4 + 2, 8 + 3]  # prefix <= 1, ancestor at 2, self
+    assert allowed2[3].nonzero().flatten().tolist() == [
+        0,
+        1,
+        4 + 2,
+        8 + 3,
+    ]  # prefix <= 1, ancestor at 2, self
 
 
 @pytest.mark.parametrize("depth", [1, 2, 3])
@@ -54,11 +69,12 @@ def test_ttt_steps_equal_decode_time_chain_drafting(target, depth):
         return captured["steps"][-1]
 
     head.logits = record
-    eagle3_ttt_loss(head, feats, ids, logits, torch.ones_like(ids), target.get_input_embeddings(),
-                    ttt_steps=depth + 1)
+    eagle3_ttt_loss(
+        head, feats, ids, logits, torch.ones_like(ids), target.get_input_embeddings(), ttt_steps=depth + 1
+    )
     head.logits = original
-    t = 8                                  # the query position checked
-    committed = t - depth + 1              # draft positions holding verified features
+    t = 8  # the query position checked
+    committed = t - depth + 1  # draft positions holding verified features
     drafter = EagleDrafter(head, target)
     drafter.advance(feats[0, :committed], ids[0, 1 : committed + 1])
     node_logits, parent = drafter.root_logits(), 0
@@ -91,14 +107,30 @@ def test_eagle1_loss_trains_the_head_and_respects_the_mask(target):
     ids = torch.randint(0, V, (2, 9))
     feats, logits = _target_pass(target, head, ids)
     mask = torch.ones_like(ids)
-    loss, metrics = eagle1_loss(head, feats, ids, logits, mask, target.get_input_embeddings(),
-                                target.get_output_embeddings(), noise_width=0.0)
+    loss, metrics = eagle1_loss(
+        head,
+        feats,
+        ids,
+        logits,
+        mask,
+        target.get_input_embeddings(),
+        target.get_output_embeddings(),
+        noise_width=0.0,
+    )
     loss.backward()
     assert all(p.grad is not None for p in head.parameters())
     assert metrics["feature_loss"] > 0 and 0 <= metrics["top1"] <= 1
     mask[:, 2:] = 0  # nothing left to learn
-    empty, _ = eagle1_loss(head, feats, ids, logits, mask, target.get_input_embeddings(),
-                           target.get_output_embeddings(), noise_width=0.0)
+    empty, _ = eagle1_loss(
+        head,
+        feats,
+        ids,
+        logits,
+        mask,
+        target.get_input_embeddings(),
+        target.get_output_embeddings(),
+        noise_width=0.0,
+    )
     assert empty.item() == 0.0
 
 
@@ -109,7 +141,11 @@ def test_losses_can_be_minimised(target, kind):
         head = MedusaHeads(MedusaConfig(H, V, num_heads=2))
         head.init_from_lm_head(target.get_output_embeddings().weight)
     else:
-        head = EagleHead(EagleConfig.from_target(target.config, kind, **({"draft_vocab_size": 48} if kind == "eagle3" else {})))
+        head = EagleHead(
+            EagleConfig.from_target(
+                target.config, kind, **({"draft_vocab_size": 48} if kind == "eagle3" else {})
+            )
+        )
     ids = torch.randint(0, V, (2, 16))
     feats, logits = _target_pass(target, head, ids)
     logits = logits * 8  # a random tiny target is nearly uniform; sharpen it so its argmax is learnable
@@ -120,8 +156,16 @@ def test_losses_can_be_minimised(target, kind):
         if kind == "medusa":
             return medusa_loss(head(feats), ids, mask)
         if kind == "eagle1":
-            return eagle1_loss(head, feats, ids, logits, mask, target.get_input_embeddings(),
-                               target.get_output_embeddings(), noise_width=0.0)
+            return eagle1_loss(
+                head,
+                feats,
+                ids,
+                logits,
+                mask,
+                target.get_input_embeddings(),
+                target.get_output_embeddings(),
+                noise_width=0.0,
+            )
         return eagle3_ttt_loss(head, feats, ids, logits, mask, target.get_input_embeddings(), ttt_steps=2)
 
     first = step()[0].item()

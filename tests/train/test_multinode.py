@@ -38,10 +38,26 @@ def free_port() -> int:
 
 def machine_command(rank: int, port: int, script: list[str], args: list[str]) -> list[str]:
     """The README's per-machine launch line, 1 process per machine, all on the loopback address."""
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-            "configs/accelerate/multi_node.yaml", "--num_machines", "2", "--num_processes", "2",
-            "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
-            *script, "configs/tiny_test.yaml", *args]
+    return [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        "configs/accelerate/multi_node.yaml",
+        "--num_machines",
+        "2",
+        "--num_processes",
+        "2",
+        "--machine_rank",
+        str(rank),
+        "--main_process_ip",
+        "127.0.0.1",
+        "--main_process_port",
+        str(port),
+        *script,
+        "configs/tiny_test.yaml",
+        *args,
+    ]
 
 
 def run_machines(cli, commands: list[list[str]], logs: list[Path], timeout: float) -> list[str]:
@@ -58,15 +74,18 @@ def run_machines(cli, commands: list[list[str]], logs: list[Path], timeout: floa
         for process in processes:
             cli.stop(process)  # a no-op for those that ended; kills a rank left waiting for a dead peer
     texts = [log.read_text(errors="replace") for log in logs]
-    report = "\n".join(f"--- machine {i} (exit {p.returncode}):\n{text[-4000:]}"
-                       for i, (p, text) in enumerate(zip(processes, texts)))
+    report = "\n".join(
+        f"--- machine {i} (exit {p.returncode}):\n{text[-4000:]}"
+        for i, (p, text) in enumerate(zip(processes, texts))
+    )
     failed = any(p.returncode != 0 for p in processes)
     assert not failed, f"multi-node launch failed or ran past {timeout} s:\n{report}"
     return texts
 
 
-def test_two_machines_train_the_same_head_as_two_process_ddp(ddp, tmp_path, two_rank_args, per_rank_script,
-                                                              cli, run_recipe):
+def test_two_machines_train_the_same_head_as_two_process_ddp(
+    ddp, tmp_path, two_rank_args, per_rank_script, cli, run_recipe
+):
     out = tmp_path / "multinode"
     args, port = two_rank_args(out), free_port()
     commands = [machine_command(rank, port, [per_rank_script, "train/eagle.py"], args) for rank in (0, 1)]

@@ -34,19 +34,27 @@ def test_offline_training_equals_online(tmp_path, overrides, run_recipe, tiny_ta
     cfg = load_config(EagleRunConfig, TINY_YAML, overrides(tmp_path / "x", *FAST))
     model, _ = load_target(str(tiny_target_dir))
     from heads import EagleConfig
+
     taps = EagleConfig.from_target(model.config, "eagle3").aux_layer_ids
     _, dataset = _dump(tiny_target_dir, chat_file, tmp_path / "states", taps)
     assert "MiB to write" in capsys.readouterr().out  # the size is printed before writing
     assert len(list((tmp_path / "states").glob("shard-*.safetensors"))) == -(-len(dataset) // 8)
     run_recipe(overrides(tmp_path / "online", *FAST))
-    run_recipe(overrides(tmp_path / "offline", *FAST, "data.hidden_states=offline",
-                         f"data.offline_dir='{tmp_path / 'states'}'"))
+    run_recipe(
+        overrides(
+            tmp_path / "offline",
+            *FAST,
+            "data.hidden_states=offline",
+            f"data.offline_dir='{tmp_path / 'states'}'",
+        )
+    )
     _assert_same_head(tmp_path / "online", tmp_path / "offline")
     assert cfg.data.hidden_states == "online"
 
 
-def test_eagle1_trains_offline_from_an_eagle3_dump(tmp_path, overrides, run_recipe, tiny_target_dir,
-                                                   chat_file):
+def test_eagle1_trains_offline_from_an_eagle3_dump(
+    tmp_path, overrides, run_recipe, tiny_target_dir, chat_file
+):
     """EAGLE-1's feature is the final state, which every dump holds: an EAGLE-3 dump serves it too."""
     model, _ = load_target(str(tiny_target_dir))
     from heads import EagleConfig
@@ -55,8 +63,14 @@ def test_eagle1_trains_offline_from_an_eagle3_dump(tmp_path, overrides, run_reci
     _dump(tiny_target_dir, chat_file, tmp_path / "states", taps)
     eagle1 = [*FAST[:1], *FAST[2:], "eagle.head_type=eagle1"]  # no draft vocabulary for EAGLE-1
     run_recipe(overrides(tmp_path / "online", *eagle1))
-    run_recipe(overrides(tmp_path / "offline", *eagle1, "data.hidden_states=offline",
-                         f"data.offline_dir='{tmp_path / 'states'}'"))
+    run_recipe(
+        overrides(
+            tmp_path / "offline",
+            *eagle1,
+            "data.hidden_states=offline",
+            f"data.offline_dir='{tmp_path / 'states'}'",
+        )
+    )
     _assert_same_head(tmp_path / "online", tmp_path / "offline")
 
 
@@ -82,8 +96,12 @@ def test_stale_dump_is_refused_for_training_and_on_resume(tmp_path, tiny_target_
     model, dataset = _dump(tiny_target_dir, chat_file, tmp_path / "states", (0, 1))
     states = OfflineStates(tmp_path / "states", (0, 1))
     states.check_matches(dataset)  # the data it was written from passes
-    changed = dataset.map(lambda row, i: {"input_ids": [row["input_ids"][0], *row["input_ids"][1:-1], 7]
-                                          if i == 3 else row["input_ids"]}, with_indices=True)  # fmt: skip
+    changed = dataset.map(
+        lambda row, i: {
+            "input_ids": [row["input_ids"][0], *row["input_ids"][1:-1], 7] if i == 3 else row["input_ids"]
+        },
+        with_indices=True,
+    )
     assert changed[3]["input_ids"] != dataset[3]["input_ids"]
     with pytest.raises(ValueError, match=r"shard-00000.safetensors: example 3 holds other tokens"):
         states.check_matches(changed)
@@ -94,8 +112,9 @@ def test_stale_dump_is_refused_for_training_and_on_resume(tmp_path, tiny_target_
         dump_hidden_states(model, changed, (0, 1), tmp_path / "states", shard_size=8)
 
 
-def test_resume_refuses_other_taps_or_target_and_a_killed_dump_is_not_trained_on(tmp_path, tiny_target_dir,
-                                                                                  chat_file, monkeypatch):
+def test_resume_refuses_other_taps_or_target_and_a_killed_dump_is_not_trained_on(
+    tmp_path, tiny_target_dir, chat_file, monkeypatch
+):
     model, dataset = _dump(tiny_target_dir, chat_file, tmp_path / "states", (0, 1))
     with pytest.raises(ValueError, match=r"other settings \(layer_ids \[0, 1\] -> \[0, 2\]\)"):
         dump_hidden_states(model, dataset, (0, 2), tmp_path / "states", shard_size=8)
@@ -155,8 +174,9 @@ def test_batched_states_equal_batch_one_states(tmp_path, tiny_target_dir, chat_f
                 torch.testing.assert_close(batched[key], single[key], atol=1e-5, rtol=1e-5, msg=key)
 
 
-def test_bf16_dump_stores_bf16_refuses_an_fp32_resume_and_trains(tmp_path, overrides, run_recipe, cli,
-                                                                  tiny_target_dir, chat_file):
+def test_bf16_dump_stores_bf16_refuses_an_fp32_resume_and_trains(
+    tmp_path, overrides, run_recipe, cli, tiny_target_dir, chat_file
+):
     """The script loads the target and stores the states in model.dtype; training reads them as float32
     features (the head's input) under a bf16 run and a float32 run alike."""
     states = tmp_path / "states"

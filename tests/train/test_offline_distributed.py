@@ -99,8 +99,9 @@ def test_both_dumps_train_the_same_head(one, two, tmp_path, overrides, run_recip
     assert not all(torch.equal(heads[0][key], other[key]) for key in heads[0])
 
 
-def test_a_stopped_dump_resumes_under_another_number_of_processes(one, two, tmp_path, cli, overrides,
-                                                                  tiny_target_dir, chat_file, capsys):
+def test_a_stopped_dump_resumes_under_another_number_of_processes(
+    one, two, tmp_path, cli, overrides, tiny_target_dir, chat_file, capsys
+):
     # a 1-process dump stopped without shards 0 and 2, finished by 2 processes: one missing shard each
     missing = [SHARDS[0], SHARDS[2]]
     stopped = _stopped_copy(one, tmp_path / "from_one" / "states", missing)

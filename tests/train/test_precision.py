@@ -1,6 +1,7 @@
-"""Mixed precision in both recipes: trainable weights and Adam states stay float32 whatever the target's dtype,
-`train.mixed_precision=bf16` computes under autocast (it runs on the CPU too), and its losses stay close to the
-float32 run's on the same batches. Combinations that cannot work are refused before any model loads."""
+"""Mixed precision in both recipes: trainable weights and Adam states stay float32 whatever the target's
+dtype, `train.mixed_precision=bf16` computes under autocast (it runs on the CPU too), and its losses stay
+close to the float32 run's on the same batches. Combinations that cannot work are refused before any model
+loads."""
 
 from __future__ import annotations
 
@@ -51,8 +52,11 @@ def assert_fp32_weights_and_adam(out) -> None:
     """The resume state holds what trains: the module's weights and AdamW's moments, all float32."""
     state = latest_state(out)
     weights = load_file(state / "model.safetensors")
-    trainable = {k: v for k, v in weights.items()
-                 if (k.startswith(("head.", "heads.")) or "lora_" in k) and v.is_floating_point()}
+    trainable = {
+        k: v
+        for k, v in weights.items()
+        if (k.startswith(("head.", "heads.")) or "lora_" in k) and v.is_floating_point()
+    }
     assert trainable and {v.dtype for v in trainable.values()} == {torch.float32}
     optimizer = torch.load(state / "optimizer.bin", weights_only=True)
     moments = [t for s in optimizer["state"].values() for k, t in s.items() if k.startswith("exp_avg")]
@@ -68,29 +72,47 @@ def assert_close_losses(bf16: list[float], fp32: list[float]) -> None:
 
 
 @pytest.mark.parametrize("target_dtype", ["float32", "bfloat16"])
-def test_eagle3_bf16_autocast_keeps_fp32_master_weights_and_tracks_fp32_loss(target_dtype, tmp_path, overrides,
-                                                                            monkeypatch, run_recipe):
-    fp32 = losses_of(run_recipe, "eagle", overrides(tmp_path / "fp32", *STEPS, "eagle.draft_vocab_size=256"),
-                     monkeypatch)
+def test_eagle3_bf16_autocast_keeps_fp32_master_weights_and_tracks_fp32_loss(
+    target_dtype, tmp_path, overrides, monkeypatch, run_recipe
+):
+    fp32 = losses_of(
+        run_recipe, "eagle", overrides(tmp_path / "fp32", *STEPS, "eagle.draft_vocab_size=256"), monkeypatch
+    )
     out = tmp_path / "bf16"
-    bf16 = losses_of(run_recipe, "eagle", overrides(out, *STEPS, "eagle.draft_vocab_size=256",
-                                                    "train.mixed_precision=bf16", f"model.dtype={target_dtype}"),
-                     monkeypatch)
+    bf16 = losses_of(
+        run_recipe,
+        "eagle",
+        overrides(
+            out,
+            *STEPS,
+            "eagle.draft_vocab_size=256",
+            "train.mixed_precision=bf16",
+            f"model.dtype={target_dtype}",
+        ),
+        monkeypatch,
+    )
     assert_fp32_weights_and_adam(out)
     assert_close_losses(bf16, fp32)
 
 
-def test_medusa2_bf16_autocast_keeps_heads_and_lora_fp32_and_tracks_fp32_loss(tmp_path, overrides, monkeypatch,
-                                                                             run_recipe):
+def test_medusa2_bf16_autocast_keeps_heads_and_lora_fp32_and_tracks_fp32_loss(
+    tmp_path, overrides, monkeypatch, run_recipe
+):
     lora = ["medusa.lora_r=4", "medusa.lora_dropout=0.0", "medusa.num_heads=2"]
     fp32 = losses_of(run_recipe, "medusa", overrides(tmp_path / "fp32", *STEPS, *lora), monkeypatch)
     out = tmp_path / "bf16"
-    bf16 = losses_of(run_recipe, "medusa", overrides(out, *STEPS, *lora, "train.mixed_precision=bf16",
-                                                     "model.dtype=bfloat16"), monkeypatch)
+    bf16 = losses_of(
+        run_recipe,
+        "medusa",
+        overrides(out, *STEPS, *lora, "train.mixed_precision=bf16", "model.dtype=bfloat16"),
+        monkeypatch,
+    )
     assert_fp32_weights_and_adam(out)
     weights = load_file(latest_state(out) / "model.safetensors")
     assert any("lora_A" in k for k in weights)
-    assert {v.dtype for k, v in weights.items() if "base_layer" in k} == {torch.bfloat16}  # the target stays bf16
+    assert {v.dtype for k, v in weights.items() if "base_layer" in k} == {
+        torch.bfloat16
+    }  # the target stays bf16
     assert_close_losses(bf16, fp32)
 
 
@@ -98,8 +120,11 @@ def test_medusa2_bf16_autocast_keeps_heads_and_lora_fp32_and_tracks_fp32_loss(tm
 @pytest.mark.parametrize("dtype, precision", [("bfloat16", "no"), ("float16", "bf16"), ("bfloat16", "fp16")])
 def test_half_precision_target_without_its_autocast_is_refused(cls, dtype, precision, tmp_path, overrides):
     with pytest.raises(ConfigError, match=rf"model.dtype={dtype} needs train.mixed_precision="):
-        load_config(cls, TINY_YAML, overrides(tmp_path, f"model.dtype={dtype}",
-                                              f"train.mixed_precision='{precision}'"))
+        load_config(
+            cls,
+            TINY_YAML,
+            overrides(tmp_path, f"model.dtype={dtype}", f"train.mixed_precision='{precision}'"),
+        )
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="fp16 is refused only where there is no CUDA")
@@ -111,17 +136,29 @@ def test_fp16_without_cuda_is_refused_before_any_model_loads(tmp_path, overrides
     assert not loaded
 
 
-@pytest.mark.parametrize("distributed_type, precision, dtype, refused", [
-    ("DEEPSPEED", "bf16", "float32", True),    # the engine's bf16 head would meet a float32 embedding / lm_head
-    ("DEEPSPEED", "bf16", "bfloat16", False),
-    ("DEEPSPEED", "no", "float32", False),
-    ("MULTI_CPU", "bf16", "float32", False),   # autocast reconciles them there
-])
+@pytest.mark.parametrize(
+    "distributed_type, precision, dtype, refused",
+    [
+        (
+            "DEEPSPEED",
+            "bf16",
+            "float32",
+            True,
+        ),  # the engine's bf16 head would meet a float32 embedding / lm_head
+        ("DEEPSPEED", "bf16", "bfloat16", False),
+        ("DEEPSPEED", "no", "float32", False),
+        ("MULTI_CPU", "bf16", "float32", False),  # autocast reconciles them there
+    ],
+)
 def test_deepspeed_half_precision_needs_a_target_of_that_dtype(distributed_type, precision, dtype, refused):
-    accelerator = SimpleNamespace(distributed_type=DistributedType[distributed_type], mixed_precision=precision)
+    accelerator = SimpleNamespace(
+        distributed_type=DistributedType[distributed_type], mixed_precision=precision
+    )
     model = ModelConfig(dtype=dtype)
     if refused:
-        with pytest.raises(ValueError, match=f"under DeepSpeed, train.mixed_precision={precision} casts the head"):
+        with pytest.raises(
+            ValueError, match=f"under DeepSpeed, train.mixed_precision={precision} casts the head"
+        ):
             check_deepspeed_precision(accelerator, model)
     else:
         check_deepspeed_precision(accelerator, model)

@@ -1,5 +1,6 @@
-"""Recipe settings GPU users rely on: `model.revision` reaches the loads (not just the export), Medusa-1's online
-pass runs the decoder only, and Medusa-2's `train.gradient_checkpointing` changes memory, not results."""
+"""Recipe settings GPU users rely on: `model.revision` reaches the loads (not just the export), Medusa-1's
+online pass runs the decoder only, and Medusa-2's `train.gradient_checkpointing` changes memory, not
+results."""
 
 from __future__ import annotations
 
@@ -31,8 +32,9 @@ def test_model_revision_reaches_the_target_load(recipe, cls, tmp_path, overrides
     monkeypatch.setattr(train.common, "load_target", recording_load)
     with pytest.raises(Stop):
         run_recipe(overrides(tmp_path, *SHORT, "model.revision=v1.2-pinned"), recipe)
-    assert seen["revision"] == "v1.2-pinned" and seen["name"] == str(load_config(
-        cls, TINY_YAML, overrides(tmp_path)).model.target)
+    assert seen["revision"] == "v1.2-pinned" and seen["name"] == str(
+        load_config(cls, TINY_YAML, overrides(tmp_path)).model.target
+    )
 
 
 def test_medusa1_online_pass_never_computes_the_target_lm_head(tmp_path, overrides, monkeypatch, run_recipe):
@@ -45,7 +47,9 @@ def test_medusa1_online_pass_never_computes_the_target_lm_head(tmp_path, overrid
         return original(self, x)
 
     monkeypatch.setattr(torch.nn.Linear, "forward", counting)
-    run_recipe(overrides(tmp_path / "m1", *SHORT, "medusa.share_lm_head=false", "medusa.num_heads=2"), "medusa")
+    run_recipe(
+        overrides(tmp_path / "m1", *SHORT, "medusa.share_lm_head=false", "medusa.num_heads=2"), "medusa"
+    )
     # the heads' own projections (also 49k wide) run on the masked hidden rows only: (M, H), never (B, T, H)
     assert calls and all(len(shape) == 2 for shape in calls), calls[:4]
 
@@ -61,7 +65,9 @@ def test_medusa2_gradient_checkpointing_trains_the_same_weights(tmp_path, overri
             torch.testing.assert_close(ckpt[key], plain[key], rtol=0, atol=1e-6)
 
 
-def test_gradient_checkpointing_is_enabled_on_the_adapted_target(tmp_path, overrides, monkeypatch, run_recipe):
+def test_gradient_checkpointing_is_enabled_on_the_adapted_target(
+    tmp_path, overrides, monkeypatch, run_recipe
+):
     seen = {}
     original = train.medusa.frozen_or_lora_target
 
@@ -71,6 +77,10 @@ def test_gradient_checkpointing_is_enabled_on_the_adapted_target(tmp_path, overr
         return target, tokenizer
 
     monkeypatch.setattr(train.medusa, "frozen_or_lora_target", spy)
-    run_recipe(overrides(tmp_path, *SHORT, "medusa.lora_r=4", "medusa.num_heads=2",
-                         "train.gradient_checkpointing=true"), "medusa")
+    run_recipe(
+        overrides(
+            tmp_path, *SHORT, "medusa.lora_r=4", "medusa.num_heads=2", "train.gradient_checkpointing=true"
+        ),
+        "medusa",
+    )
     assert seen["on"] is True

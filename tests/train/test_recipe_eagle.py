@@ -43,12 +43,16 @@ def state_step(state: Path) -> int:
     return json.loads((state / PROGRESS_FILE).read_text())["step"]
 
 
-@pytest.mark.parametrize("head_type, extra", [
-    ("eagle3", ["eagle.aux_layer_ids=[0,2,3]", "eagle.draft_vocab_size=512"]),
-    ("eagle1", []),
-])
-def test_smoke_export_round_trips_and_decodes_losslessly(head_type, extra, tmp_path, overrides, run_recipe,
-                                                         tiny_target_dir):
+@pytest.mark.parametrize(
+    "head_type, extra",
+    [
+        ("eagle3", ["eagle.aux_layer_ids=[0,2,3]", "eagle.draft_vocab_size=512"]),
+        ("eagle1", []),
+    ],
+)
+def test_smoke_export_round_trips_and_decodes_losslessly(
+    head_type, extra, tmp_path, overrides, run_recipe, tiny_target_dir
+):
     out = tmp_path / "run"
     args = overrides(out, f"eagle.head_type={head_type}", *extra)  # tiny_test: 2 steps, eval + tau every step
     run_recipe(args)
@@ -83,8 +87,11 @@ def test_smoke_export_round_trips_and_decodes_losslessly(head_type, extra, tmp_p
     target, tokenizer = load_target(str(tiny_target_dir))
     head = load_heads(export, target=target)
     assert_same_weights(head.state_dict(), exported)
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "Question 3: what is 3 plus 3?"}],
-                                         add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Question 3: what is 3 plus 3?"}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
     prompt = tokenizer(text, return_tensors="pt").input_ids
     plain = generate(target, prompt, None, max_new_tokens=12, eos_token_id=[])
     drafted = generate(target, prompt, head, max_new_tokens=12, eos_token_id=[])
@@ -114,10 +121,18 @@ def test_resume_continues_and_equals_an_uninterrupted_run(tmp_path, overrides, r
 
 def test_resume_with_another_data_order_is_refused(tmp_path, overrides, run_recipe):
     """Another batch size (or files, split, seed, process count) would skip or repeat examples on resume."""
-    common = ["eagle.head_type=eagle1", "train.save_every_steps=1", "train.eval_tau_prompts=0", "train.max_steps=2"]
+    common = [
+        "eagle.head_type=eagle1",
+        "train.save_every_steps=1",
+        "train.eval_tau_prompts=0",
+        "train.max_steps=2",
+    ]
     run_recipe(overrides(tmp_path / "run", *common))
-    with pytest.raises(ValueError, match=r"cannot resume step-2 with another data order "
-                                         r"\(train.per_device_batch_size: 2 -> 3\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"cannot resume step-2 with another data order "
+        r"\(train.per_device_batch_size: 2 -> 3\)",
+    ):
         run_recipe(overrides(tmp_path / "run", *common, "train.per_device_batch_size=3", "train.max_steps=3"))
     assert "per_device_batch_size: 2" in (tmp_path / "run" / "config.yaml").read_text()  # the saved one stays
 
@@ -127,15 +142,30 @@ def test_init_from_starts_at_an_exported_head_and_keeps_its_draft_vocab(tmp_path
     run_recipe(overrides(first, *FAST, "train.max_steps=2"))
     # lr 1e-12: one Adam step moves each weight by ~1e-12, so the export must equal the head it started from;
     # draft_vocab_size=512 is overridden by the loaded head's own vocabulary (256)
-    run_recipe(overrides(second, *FAST, "eagle.draft_vocab_size=512", f"eagle.init_from='{first / 'head'}'",
-                         "train.max_steps=1", "train.learning_rate=1e-12"))
+    run_recipe(
+        overrides(
+            second,
+            *FAST,
+            "eagle.draft_vocab_size=512",
+            f"eagle.init_from='{first / 'head'}'",
+            "train.max_steps=1",
+            "train.learning_rate=1e-12",
+        )
+    )
     config = json.loads((second / "head" / "config.json").read_text())
     assert config["head_config"]["draft_vocab_size"] == 256
     assert_same_weights(head_weights(second), head_weights(first), atol=1e-8)
 
     with pytest.raises(ValueError, match=r"holds a eagle3 head, but eagle.head_type is eagle1"):
-        run_recipe(overrides(tmp_path / "third", "train.eval_tau_prompts=0", "eagle.head_type=eagle1",
-                             f"eagle.init_from='{first / 'head'}'", "train.max_steps=1"))
+        run_recipe(
+            overrides(
+                tmp_path / "third",
+                "train.eval_tau_prompts=0",
+                "eagle.head_type=eagle1",
+                f"eagle.init_from='{first / 'head'}'",
+                "train.max_steps=1",
+            )
+        )
 
 
 def test_latest_state_ignores_partial_states(tmp_path):
@@ -153,8 +183,14 @@ def test_latest_state_ignores_partial_states(tmp_path):
 def test_sigkill_mid_run_then_rerun_equals_an_uninterrupted_run(tmp_path, overrides, run_recipe, cli):
     # full 49k draft vocabulary: ~1 s per step, so the kill lands well before step 6
     # cosine with warmup: equality also needs the scheduler's state restored
-    common = ["train.max_steps=6", "train.save_every_steps=1", "train.eval_tau_prompts=0",
-              "data.eval_fraction=0", "train.lr_scheduler=cosine", "train.warmup_ratio=0.34"]
+    common = [
+        "train.max_steps=6",
+        "train.save_every_steps=1",
+        "train.eval_tau_prompts=0",
+        "data.eval_fraction=0",
+        "train.lr_scheduler=cosine",
+        "train.warmup_ratio=0.34",
+    ]
     killed = tmp_path / "killed"
     command = cli.command("train/eagle.py", overrides(killed, *common))
     process = cli.start(command, tmp_path / "killed.log")
@@ -214,8 +250,9 @@ def test_unknown_override_fails_before_any_model_loads(tmp_path, overrides, monk
 
     monkeypatch.setattr("heads.target.load_target", no_model)  # what train/eagle.py imports when it runs
     out = tmp_path / "run"
-    monkeypatch.setattr(sys, "argv", ["train/eagle.py", str(TINY_YAML), *overrides(out),
-                                      "train.lerning_rate=1e-3"])
+    monkeypatch.setattr(
+        sys, "argv", ["train/eagle.py", str(TINY_YAML), *overrides(out), "train.lerning_rate=1e-3"]
+    )
     started = time.perf_counter()
     with pytest.raises(ConfigError, match=r"unknown key train\.lerning_rate in override 'train\.lerning_"):
         runpy.run_path(str(ROOT / "train" / "eagle.py"), run_name="__main__")  # its `if __name__` block

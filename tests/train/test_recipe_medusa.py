@@ -56,8 +56,15 @@ def test_medusa1_init_from_starts_at_an_exported_head(tmp_path, overrides):
     run(overrides(tmp_path / "first", *FAST, "train.max_steps=2"))
     start = tmp_path / "first" / "head"
     # lr 1e-12: one Adam step moves each weight by ~1e-12, so the export must equal the heads it started from
-    run(overrides(tmp_path / "second", *FAST, f"medusa.init_from='{start}'", "train.max_steps=1",
-                  "train.learning_rate=1e-12"))
+    run(
+        overrides(
+            tmp_path / "second",
+            *FAST,
+            f"medusa.init_from='{start}'",
+            "train.max_steps=1",
+            "train.learning_rate=1e-12",
+        )
+    )
     first = load_file(start / "model.safetensors")
     second = load_file(tmp_path / "second" / "head" / "model.safetensors")
     assert first.keys() == second.keys()
@@ -65,8 +72,15 @@ def test_medusa1_init_from_starts_at_an_exported_head(tmp_path, overrides):
         torch.testing.assert_close(second[key], first[key], rtol=0, atol=1e-8)
     assert any(first[k].abs().sum() > 0 for k in first if "linear.weight" in k)  # trained, not the zero init
     with pytest.raises(ValueError, match=r"does not match the medusa section: num_heads: 3 \(config\) vs 2"):
-        run(overrides(tmp_path / "third", "train.eval_tau_prompts=0", "medusa.num_heads=3",
-                      f"medusa.init_from='{start}'", "train.max_steps=1"))
+        run(
+            overrides(
+                tmp_path / "third",
+                "train.eval_tau_prompts=0",
+                "medusa.num_heads=3",
+                f"medusa.init_from='{start}'",
+                "train.max_steps=1",
+            )
+        )
 
 
 def test_medusa2_trains_lora_after_heads_only_stage(tmp_path, overrides, tiny_target_dir):
@@ -87,7 +101,9 @@ def test_medusa2_trains_lora_after_heads_only_stage(tmp_path, overrides, tiny_ta
     assert lora and any(v.abs().sum() > 0 for v in lora.values()), "LoRA B matrices never moved"
     step1 = load_file(out / "state" / "step-1" / "model.safetensors")
     lora_b_step1 = [v for k, v in step1.items() if "lora_B" in k]
-    assert lora_b_step1 and all(v.abs().sum() == 0 for v in lora_b_step1), "LoRA moved in the heads-only stage"
+    assert lora_b_step1 and all(v.abs().sum() == 0 for v in lora_b_step1), (
+        "LoRA moved in the heads-only stage"
+    )
     # Decoding: the heads draft for the adapted target; output equals plain decoding of the merged target.
     base, _ = load_target(str(tiny_target_dir))
     merged = merge_lora(load_target(str(tiny_target_dir))[0], out / "lora")
@@ -108,7 +124,11 @@ def test_bad_medusa_overrides_name_the_key(tmp_path, overrides, bad):
 
 def test_medusa2_refuses_offline_states_before_loading(tmp_path, overrides):
     with pytest.raises(ValueError, match="offline is for Medusa-1 only"):
-        run(overrides(tmp_path, "medusa.lora_r=4", "data.hidden_states=offline", "data.offline_dir=/nonexistent"))
+        run(
+            overrides(
+                tmp_path, "medusa.lora_r=4", "data.hidden_states=offline", "data.offline_dir=/nonexistent"
+            )
+        )
 
 
 def test_medusa1_offline_equals_online(tmp_path, overrides, tiny_target_dir, chat_file):
@@ -124,7 +144,10 @@ def test_medusa1_offline_equals_online(tmp_path, overrides, tiny_target_dir, cha
     run(overrides(tmp_path / "online", *fast))
     run(
         overrides(
-            tmp_path / "offline", *fast, "data.hidden_states=offline", f"data.offline_dir='{tmp_path / 'states'}'"
+            tmp_path / "offline",
+            *fast,
+            "data.hidden_states=offline",
+            f"data.offline_dir='{tmp_path / 'states'}'",
         )
     )
     online = load_file(tmp_path / "online" / "head" / "model.safetensors")

@@ -30,9 +30,15 @@ def tokenizer():
 @pytest.fixture(scope="module")
 def model(tokenizer):
     config = AutoConfig.for_model(
-        "llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, vocab_size=len(tokenizer),
-    )  # fmt: skip
+        "llama",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=len(tokenizer),
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
     model.generation_config.eos_token_id = None  # regenerate falls back to the tokenizer's EOS
@@ -129,8 +135,10 @@ def test_prompt_rows_are_checked_and_trailing_replies_dropped(tmp_path, model, t
 def test_batched_generate_drops_finished_rows_and_matches_row_by_row(model, tokenizer):
     """Rows that stop early leave the batch; every row equals its own unpadded greedy decode, and a stop id
     that fires mid-batch ends exactly that row."""
-    texts = [tokenizer.apply_chat_template(p["messages"], add_generation_prompt=True, tokenize=False)
-             for p in PROMPTS]  # fmt: skip
+    texts = [
+        tokenizer.apply_chat_template(p["messages"], add_generation_prompt=True, tokenize=False)
+        for p in PROMPTS
+    ]
     singles = []
     for text in texts:
         ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
@@ -149,8 +157,18 @@ def test_batched_generate_drops_finished_rows_and_matches_row_by_row(model, toke
         expected = single[: single.index(stop)] if stop in single else single
         assert reply == expected and stopped == (stop in single)
     assert outputs[1] == (singles[1][:3].tolist(), True)
-    seeded = [batched_generate(model, batch["input_ids"], batch["attention_mask"], 6, set(), temperature=1.0,
-                               generator=torch.Generator().manual_seed(3)) for _ in range(2)]  # fmt: skip
+    seeded = [
+        batched_generate(
+            model,
+            batch["input_ids"],
+            batch["attention_mask"],
+            6,
+            set(),
+            temperature=1.0,
+            generator=torch.Generator().manual_seed(3),
+        )
+        for _ in range(2)
+    ]
     assert seeded[0] == seeded[1] and all(len(reply) == 6 and not stopped for reply, stopped in seeded[0])
     with pytest.raises(ValueError, match="max_new_tokens"):
         batched_generate(model, batch["input_ids"], batch["attention_mask"], 0, {stop})
@@ -165,9 +183,19 @@ def test_script_answers_the_prompts_between_start_and_limit(tmp_path, tiny_targe
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({k: v for k, v in p.items() if k != "id"}) + "\n" for p in PROMPTS))
     script = str(Path(__file__).resolve().parents[2] / "scripts" / "regenerate.py")
-    common = ["--prompts", str(prompts), "--model", str(tiny_target_dir), "--max-new-tokens", "3",
-              "--device", "cpu"]  # fmt: skip
-    monkeypatch.setattr(sys, "argv", [script, *common, "--out", str(tmp_path / "out"), "--start", "1", "--limit", "3"])
+    common = [
+        "--prompts",
+        str(prompts),
+        "--model",
+        str(tiny_target_dir),
+        "--max-new-tokens",
+        "3",
+        "--device",
+        "cpu",
+    ]
+    monkeypatch.setattr(
+        sys, "argv", [script, *common, "--out", str(tmp_path / "out"), "--start", "1", "--limit", "3"]
+    )
     runpy.run_path(script, run_name="__main__")
     ids = sorted(row["id"] for rows in _shards(tmp_path / "out").values() for row in rows)
     assert ids == ["prompts.jsonl:2", "prompts.jsonl:3"]  # lines are numbered from 1
@@ -178,6 +206,8 @@ def test_script_answers_the_prompts_between_start_and_limit(tmp_path, tiny_targe
 
 def test_prompts_over_max_prompt_tokens_are_left_out_and_counted(tmp_path, model, tokenizer):
     long = {"id": "long", "source": "test", "messages": [{"role": "user", "content": "word " * 300}]}
-    stats = regenerate(model, tokenizer, [*PROMPTS[:2], long], tmp_path, max_new_tokens=2, max_prompt_tokens=100)
+    stats = regenerate(
+        model, tokenizer, [*PROMPTS[:2], long], tmp_path, max_new_tokens=2, max_prompt_tokens=100
+    )
     assert stats["too_long"] == 1 and stats["generated"] == 2
     assert sorted(row["id"] for rows in _shards(tmp_path).values() for row in rows) == ["p0", "p1"]
