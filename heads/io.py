@@ -7,8 +7,6 @@ mismatch, because a head for another target decodes garbage without any error.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import torch
@@ -18,6 +16,7 @@ from torch import nn
 
 from heads.eagle import HEAD_TYPES as EAGLE_TYPES
 from heads.eagle import EagleConfig, EagleHead
+from heads.files import atomic_write, write_json
 from heads.medusa import MedusaConfig, MedusaHeads
 
 FORMAT_VERSION = 1
@@ -97,20 +96,9 @@ def save_heads(
         config["base_num_hidden_layers"] = text.num_hidden_layers
     config.update(extra or {})
     state = {k: v.detach().cpu().contiguous().clone() for k, v in head.state_dict().items()}
-    _atomic_write(path / WEIGHTS_NAME, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
-    _atomic_write(path / CONFIG_NAME, lambda tmp: Path(tmp).write_text(json.dumps(config, indent=2) + "\n"))
+    atomic_write(path / WEIGHTS_NAME, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
+    write_json(path / CONFIG_NAME, config)
     return path
-
-
-def _atomic_write(dest: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, dest)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def read_head_config(path: str | Path) -> dict:

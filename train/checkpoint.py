@@ -13,6 +13,7 @@ import torch
 from accelerate import Accelerator
 from torch import nn
 
+from heads.files import write_json
 from heads.io import build_head, save_heads
 
 STATE_DIR = "state"
@@ -42,9 +43,7 @@ def save_state(accelerator: Accelerator, output_dir: str | Path, step: int, keep
     accelerator.save_state(str(partial))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        tmp = partial / f"{PROGRESS_FILE}.tmp"
-        tmp.write_text(json.dumps({"step": step, "num_processes": accelerator.num_processes}) + "\n")
-        os.replace(tmp, partial / PROGRESS_FILE)
+        write_json(partial / PROGRESS_FILE, {"step": step, "num_processes": accelerator.num_processes})
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)
         states = sorted(

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -20,6 +19,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from heads.features import LAST, FeatureCapture
+from heads.files import atomic_write, write_json
 from train.data import collate
 
 INDEX_FILE = "index.json"
@@ -136,9 +136,7 @@ def dump_hidden_states(
                     tensors[f"mask.{i}"] = torch.tensor(rows[i]["loss_mask"], dtype=torch.int8)
                     tensors[f"features.{i}"] = states[b, :n, : len(layer_ids) * hidden].clone()
                     tensors[f"last.{i}"] = states[b, :n, -hidden:].clone()
-            tmp = out / f".{name}.tmp"
-            save_file(tensors, tmp)
-            os.replace(tmp, out / name)
+            atomic_write(out / name, lambda tmp, tensors=tensors: save_file(tensors, tmp))
     print(f"process {rank}/{world}: {len(to_write)} shard(s) written, {len(to_check)} kept", flush=True)
     _barrier(accelerator)  # "complete" only once every rank's shards are on disk
     if rank == 0:
@@ -154,9 +152,7 @@ def _barrier(accelerator: Accelerator | None) -> None:
 
 
 def _write_index(out: Path, index: dict) -> None:
-    tmp = out / f".{INDEX_FILE}.tmp"
-    tmp.write_text(json.dumps(index, indent=2) + "\n")
-    os.replace(tmp, out / INDEX_FILE)
+    write_json(out / INDEX_FILE, index)
 
 
 def weights_digest(model: nn.Module) -> str:

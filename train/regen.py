@@ -3,8 +3,6 @@ on acceptance), batched, as resumable JSONL shards. Used by `scripts/regenerate.
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -13,6 +11,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
+from heads.files import write_jsonl
 from train.data import BadRow, _render, read_rows, to_messages
 
 
@@ -102,13 +101,6 @@ def _prompt(row: dict) -> list[dict]:
     if not users:
         raise BadRow("no user turn to answer")
     return messages[: users[-1] + 1]
-
-
-def _write_shard(path: Path, rows: list[dict]) -> None:
-    """Write a temp file and rename it into place, so a killed run never leaves half a shard."""
-    temp = path.with_name(f".{path.name}.tmp")
-    temp.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
-    os.replace(temp, path)
 
 
 @torch.no_grad()
@@ -205,7 +197,7 @@ def regenerate(
                     chunk[i]["messages"] = chunk[i]["messages"] + [{"role": "assistant", "content": reply}]
                     chunk[i]["finish_reason"] = "stop" if stopped else "length"
                 bar.update(len(batch))
-            _write_shard(out / f"shard-{next_shard:05d}.jsonl", chunk)
+            write_jsonl(out / f"shard-{next_shard:05d}.jsonl", chunk)
             next_shard += 1
     finally:
         tokenizer.padding_side, tokenizer.pad_token_id = padding_side, pad_token

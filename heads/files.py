@@ -1,0 +1,49 @@
+"""The one way selfspec writes a file: to a temporary name in the same folder, then renamed into place.
+
+A killed process leaves either the old file or the new one, never half of one (`os.replace` is atomic within
+a file system), and a failed write leaves no stray temporary file behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+
+def atomic_write(dest: str | Path, write: Callable[[Path], object]) -> Path:
+    """Call `write(tmp)` to fill a temporary file next to `dest`, then rename it to `dest`.
+
+    Args:
+        dest: the final path; its folder must exist.
+        write: writes the whole content to the path it is given (for example `lambda p: save_file(t, p)`).
+    Returns:
+        `dest`, as a Path.
+    """
+    dest = Path(dest)
+    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        os.replace(tmp, dest)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return dest
+
+
+def write_text(dest: str | Path, text: str) -> Path:
+    """`dest` holds exactly `text` (UTF-8), written atomically."""
+    return atomic_write(dest, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def write_json(dest: str | Path, obj) -> Path:
+    """`dest` holds `obj` as indented JSON, written atomically."""
+    return write_text(dest, json.dumps(obj, indent=2) + "\n")
+
+
+def write_jsonl(dest: str | Path, rows: Iterable[dict]) -> Path:
+    """`dest` holds one JSON object per line (non-ASCII kept as is), written atomically."""
+    return write_text(dest, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
