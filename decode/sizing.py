@@ -20,23 +20,14 @@ approximate.
 from __future__ import annotations
 
 import heapq
-import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-from torch import nn
-from transformers import DynamicCache
+from decode.tree import DynamicTree
 
-from decode.generate import GenerateOutput, generate
-from decode.layout import can_pack, head_rows, is_pretransposed, pack_linears, packed_rows
-from decode.propose import make_drafter, propose
-from decode.timing import synchronize
-from decode.tree import DraftTree, DynamicTree, TreeBuffers, build_tree
-from decode.verify import verify
-from heads.eagle import EagleHead
-from heads.features import FeatureCapture
+if TYPE_CHECKING:
+    from decode.generate import GenerateOutput
 
 
 def rank_acceptance(outputs: Sequence[GenerateOutput]) -> list[list[float]]:
@@ -184,61 +175,6 @@ def size_tree(
     return sorted(candidates, key=lambda c: -c.tokens_per_second)
 
 
-def _median_seconds(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
-    """Median wall time of `fn` after a warm-up call, each call timed between `synchronize(device)` calls."""
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        synchronize(device)
-        start = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-@torch.no_grad()
-def measure_verify_cost(
-    model: nn.Module, context: torch.Tensor, sizes: Sequence[int], repeats: int = 5
-) -> dict[int, float]:
-    """Seconds of one tree verify forward over n tokens (chain-shaped) above a cached `context` (1, T).
-
-    The sizes are timed in `repeats` interleaved rounds (each round times every size once, after a warm-up
-    pass), so a slow spell of a shared machine spreads over all sizes instead of spoiling one; each size gets
-    the median of its rounds. The result is then made non-decreasing in n (`monotone_costs`): a tree of n
-    tokens can always be padded to a larger measured size, so C_T(n) is at most C_T(m) for m > n.
-    A pretransposed target (`decode.layout`) is measured packed for each n, as `pack_for_tree` packs it to
-    decode with an n-token tree, and is left packed as it was."""
-    cache = DynamicCache(config=model.config)
-    model(input_ids=context, cache=cache, use_cache=True, logits_to_keep=1)
-    past = context.shape[1]
-    times: dict[int, list[float]] = {n: [] for n in sizes}
-    pack, before = is_pretransposed(model) and can_pack(), packed_rows(model)
-    for _ in range(max(repeats, 1)):
-        for n in sizes:
-            # a pretransposed target decodes packed for its tree (`pack_for_tree`): measure n that way
-            if pack:
-                pack_linears(model, n if n >= 2 else None)
-            tokens = torch.randint(
-                0, model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(n)
-            )
-            device = model.device  # the tree is made there, untimed: no upload inside the timer
-            tree = DraftTree(
-                tokens=tokens.to(device),
-                parents=torch.arange(-1, n - 1, device=device),
-                ranks=torch.zeros(n, dtype=torch.long, device=device),
-            )
-
-            def run(tree: DraftTree = tree, n: int = n) -> None:
-                verify(model, cache, tree, past)
-                cache.crop(-n)  # transformers 5.x: drop the n positions just verified
-
-            times[n].append(_median_seconds(run, 1, model.device))
-    if pack:
-        pack_linears(model, before)
-    return monotone_costs({n: statistics.median(t) for n, t in times.items()})
-
-
 def monotone_costs(costs: dict[int, float]) -> dict[int, float]:
     """{n: min over m >= n of costs[m]}: the cost of n tree tokens, padding to a larger size where that is
     cheaper."""
@@ -247,155 +183,3 @@ def monotone_costs(costs: dict[int, float]) -> dict[int, float]:
         best = min(best, costs[n])
         out[n] = best
     return {n: out[n] for n in costs}
-
-
-@torch.no_grad()
-def measure_propose_cost(
-    model: nn.Module,
-    heads: nn.Module,
-    context: torch.Tensor,
-    trees: Sequence[TreeBuffers | DynamicTree],
-    repeats: int = 5,
-    advance_tokens: int = 2,
-) -> list[float]:
-    """Median seconds of the drafter's work in one decoding step, per tree: taking in `advance_tokens` newly
-    accepted positions (Medusa: its heads and their lm_head; EAGLE: a draft forward over them) and then
-    drafting the tree (greedy), after the target prefilled `context` (1, T)."""
-    drafter = make_drafter(heads, model)
-    capture = FeatureCapture(model, drafter.feature_layers)
-    with capture:
-        out = model(input_ids=context, use_cache=False, logits_to_keep=1)
-        features = capture.features()[0]
-    root = out.logits[0, -1].argmax().view(1)  # on the device, as `generate` passes it
-    tokens = torch.cat([context[0, 1:], root])
-    keep = min(advance_tokens, tokens.numel())
-    drafter.advance(features[:-keep], tokens[:-keep])
-    vocab = model.get_output_embeddings().weight.shape[0]
-
-    def step(tree) -> None:
-        drafter.advance(features[-keep:], tokens[-keep:])  # EAGLE: its draft cache grows a little per call
-        propose(drafter, root, tree, temperature=0.0, generator=None, vocab_size=vocab)
-
-    def measure(tree) -> float:
-        if pack:  # packed as `pack_for_tree` packs it for this tree
-            pack_linears(heads, head_rows(heads, tree))
-        return _median_seconds(lambda: step(tree), repeats, model.device)
-
-    pack = isinstance(heads, EagleHead) and is_pretransposed(heads) and can_pack()
-    before = packed_rows(heads)
-    costs = [measure(tree) for tree in trees]
-    if pack:
-        pack_linears(heads, before)
-    return costs
-
-
-@dataclass
-class Calibration:
-    """What `calibrate` measured for one head on one machine, and the search over trees it allows."""
-
-    acceptance: list[list[float]]  # a[d-1][r], from `rank_acceptance`
-    verify_cost: dict[int, float]  # seconds of one target forward over n tree tokens
-    candidates: list[Candidate]  # best first; empty when no draft was ever accepted
-    measure_propose: Callable[[DynamicTree | list[tuple[int, ...]]], float]  # seconds to draft a given tree
-
-    @property
-    def plain_tokens_per_second(self) -> float:
-        return 1.0 / self.verify_cost[1]
-
-    def predict(self, tree: DynamicTree | Sequence[Sequence[int]]) -> dict[str, float]:
-        """E[tokens], costs and tokens/s of a given tree (a DynamicTree's E is that of the best-first static
-        tree of its size: an approximation of its confidence-driven shape); its drafting cost is measured."""
-        if isinstance(tree, DynamicTree):
-            expected, _ = best_tree(self.acceptance, tree.total_tokens, tree.depth, tree.top_k, tree.top_k)
-            nodes, depth, top_k = tree.total_tokens, tree.depth, tree.top_k
-        else:
-            paths = [tuple(p) for p in tree]
-            expected = 1.0
-            for path in paths:
-                probability = 1.0
-                for d, r in enumerate(path):
-                    probability *= (
-                        self.acceptance[d][r]
-                        if d < len(self.acceptance) and r < len(self.acceptance[d])
-                        else 0.0
-                    )
-                expected += probability
-            nodes, depth, top_k = len(paths), max(map(len, paths)), 1 + max(max(p) for p in paths)
-        verify_seconds = interpolate(self.verify_cost, nodes + 1)
-        propose_seconds = self.measure_propose(
-            tree if isinstance(tree, DynamicTree) else [tuple(p) for p in tree]
-        )
-        return {
-            "draft_nodes": nodes,
-            "depth": depth,
-            "top_k": top_k,
-            "expected_tokens": expected,
-            "verify_seconds": verify_seconds,
-            "propose_seconds": propose_seconds,
-            "tokens_per_second": expected / (verify_seconds + propose_seconds),
-        }
-
-
-@torch.no_grad()
-def calibrate(
-    model: nn.Module,
-    heads: nn.Module,
-    prompts: Sequence[torch.Tensor],
-    *,
-    max_new_tokens: int = 64,
-    verify_sizes: Sequence[int] = (1, 2, 4, 8, 12, 16, 24, 32, 48),
-    max_depth: int = 6,
-    max_top_k: int = 4,
-    repeats: int = 3,
-) -> Calibration:
-    """Measure, on this machine, everything the cost model needs, and search the best tree for `heads`.
-
-    1. Acceptance per (depth, rank): greedy decoding of `prompts` with a wide probe tree (EAGLE: dynamic,
-    depth
-       `max_depth`, top_k `max_top_k`, 48 nodes; Medusa: the top `max_top_k` candidates of every head below
-       the top-1 chain). Use prompts the benchmark does not score: the choice is then not fitted to them.
-    2. C_T(n): the target's verify forward over n tokens above the first prompt, for n in `verify_sizes` (1
-       must be among them: C_T(1) is plain decoding's cost per token).
-    3. Drafting cost per step (`measure_propose_cost`): EAGLE per (depth, top_k) shape (one draft forward per
-       level); Medusa once (its heads run once per step whatever the tree).
-    4. `size_tree` over draft budgets 1 .. max(verify_sizes) - 1, depths and top_k up to the measured ones.
-
-    Args:
-        model: the target.
-        heads: MedusaHeads or EagleHead.
-        prompts: (1, T) prompt ids.
-    """
-    if 1 not in verify_sizes:
-        raise ValueError(f"verify_sizes must include 1 (plain decoding's cost), got {list(verify_sizes)}")
-    eagle = isinstance(heads, EagleHead)
-    if eagle:
-        probe: TreeBuffers | DynamicTree = DynamicTree(depth=max_depth, top_k=max_top_k, total_tokens=48)
-    else:
-        probe = build_tree([(0,) * d + (r,) for d in range(heads.config.num_heads) for r in range(max_top_k)])
-    runs = [generate(model, ids, heads, max_new_tokens=max_new_tokens, tree=probe) for ids in prompts]
-    acceptance = rank_acceptance(runs)
-    context = prompts[0]
-    verify_cost = measure_verify_cost(model, context, verify_sizes, repeats)
-
-    def measure_propose(tree) -> float:
-        spec = tree if isinstance(tree, DynamicTree) else build_tree(tree)
-        return measure_propose_cost(model, heads, context, [spec], repeats)[0]
-
-    depths = range(1, min(max_depth, len(acceptance)) + 1)
-    top_ks = range(1, max_top_k + 1)
-    budgets = range(1, max(verify_sizes))
-    if eagle:  # one measurement per (depth, top_k) shape, at the largest budget
-        by_shape = {(d, k): measure_propose(DynamicTree(d, k, budgets[-1])) for d in depths for k in top_ks}
-
-        def propose_cost(n: int, d: int, k: int) -> float:
-            return by_shape[(d, k)]
-    else:
-        medusa_seconds = measure_propose([(0,)])
-
-        def propose_cost(n: int, d: int, k: int) -> float:
-            return medusa_seconds
-
-    candidates = size_tree(
-        acceptance, verify_cost, propose_cost, dynamic=eagle, budgets=budgets, depths=depths, top_ks=top_ks
-    )
-    return Calibration(acceptance, verify_cost, candidates, measure_propose)

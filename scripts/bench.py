@@ -36,9 +36,10 @@ import torch
 import transformers
 
 from decode import DEFAULT_TREES, DynamicTree, generate
+from decode.calibrate import Calibration, calibrate
 from decode.generate import DEFAULT_EAGLE_TREE
 from decode.layout import is_int8_draft, pack_for_tree, pretranspose_linears, quantize_draft
-from decode.sizing import Calibration, best_tree, calibrate
+from decode.sizing import best_tree
 from decode.timing import synchronize
 from decode.tree import tree_label
 from heads import load_heads

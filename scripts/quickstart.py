@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 
 from decode import generate
+from decode.calibrate import calibrate
 from decode.generate import DEFAULT_EAGLE_TREE
 from decode.layout import can_int8, is_int8_draft, pack_for_tree, pretranspose_linears, quantize_draft
-from decode.sizing import calibrate
 from decode.tree import tree_label
 from heads import load_heads
 from heads.target import DEFAULT_TARGET, load_target

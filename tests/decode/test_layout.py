@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from decode import generate
+from decode.calibrate import measure_verify_cost
 from decode.generate import DEFAULT_EAGLE_TREE
 from decode.layout import (
     DRAFT_LM_HEAD,
@@ -23,7 +24,6 @@ from decode.layout import (
     pretranspose_linears,
     quantize_draft,
 )
-from decode.sizing import measure_verify_cost
 from decode.tree import DEFAULT_MEDUSA_TREE, DEFAULT_TREES, DynamicTree, build_tree, verify_rows
 from heads.eagle import EagleConfig, EagleHead
 from heads.medusa import MedusaConfig, MedusaHeads

@@ -12,16 +12,9 @@ import pytest
 import torch
 
 from decode import DynamicTree, generate
+from decode.calibrate import measure_propose_cost, measure_verify_cost
 from decode.generate import GenerateOutput
-from decode.sizing import (
-    best_tree,
-    interpolate,
-    measure_propose_cost,
-    measure_verify_cost,
-    monotone_costs,
-    rank_acceptance,
-    size_tree,
-)
+from decode.sizing import best_tree, interpolate, monotone_costs, rank_acceptance, size_tree
 from heads.eagle import EagleConfig, EagleHead
 from heads.medusa import MedusaConfig, MedusaHeads
 
