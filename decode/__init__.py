@@ -1,15 +1,25 @@
-"""Tree-attention speculative decoding: trees, verification, acceptance and `generate`."""
+"""Tree-attention speculative decoding: trees, verification, acceptance, `prepare` and `generate`."""
 
-from decode.generate import GenerateOutput, generate
+from decode.calibrate import Calibration, calibrate
+from decode.generate import DEFAULT_EAGLE_TREE, GenerateOutput, generate
+from decode.layout import is_int8_draft
 from decode.prepare import prepare
-from decode.tree import DEFAULT_TREES, DynamicTree, TreeBuffers, build_tree
+from decode.sizing import best_tree
+from decode.tree import DEFAULT_TREES, DynamicTree, TreeBuffers, build_tree, tree_label, verify_rows
 
 __all__ = [
+    "DEFAULT_EAGLE_TREE",
     "DEFAULT_TREES",
+    "Calibration",
     "DynamicTree",
     "GenerateOutput",
     "TreeBuffers",
+    "best_tree",
     "build_tree",
+    "calibrate",
     "generate",
+    "is_int8_draft",
     "prepare",
+    "tree_label",
+    "verify_rows",
 ]
