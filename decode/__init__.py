@@ -1,11 +1,18 @@
 """Tree-attention speculative decoding: trees, verification, acceptance, `prepare` and `generate`."""
 
 from decode.calibrate import Calibration, calibrate
-from decode.generate import DEFAULT_EAGLE_TREE, GenerateOutput, generate
-from decode.layout import is_int8_draft
-from decode.prepare import prepare
+from decode.generate import GenerateOutput, generate
+from decode.prepare import is_int8_draft, prepare
 from decode.sizing import best_tree
-from decode.tree import DEFAULT_TREES, DynamicTree, TreeBuffers, build_tree, tree_label, verify_rows
+from decode.tree import (
+    DEFAULT_EAGLE_TREE,
+    DEFAULT_TREES,
+    DynamicTree,
+    TreeBuffers,
+    build_tree,
+    tree_label,
+    verify_rows,
+)
 
 __all__ = [
     "DEFAULT_EAGLE_TREE",

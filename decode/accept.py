@@ -174,14 +174,18 @@ def accept_typical(
     tree: DraftTree,
     target_logits: Tensor,
     temperature: float,
+    top_p: float,
+    top_k: int,
     generator: torch.Generator | None,
     epsilon: float = 0.09,
     delta: float = 0.3,
 ) -> tuple[Tensor, Tensor]:
     """LOSSY Medusa typical acceptance: keep a child when p(child) > min(epsilon, delta * exp(-H(p))).
 
-    Output is NOT distributed as the target's; offered only as an explicit opt-in. Computed on the device and
-    returned in `accept_sampling`'s form; the threshold is compared in float64, as the host comparison was.
+    p is the distribution plain sampling draws from (`target_probs`: temperature, then top-k and top-p), so a
+    token those filters drop is never accepted nor emitted. Output is NOT distributed as the target's; offered
+    only as an explicit opt-in. Computed on the device and returned in `accept_sampling`'s form; the threshold
+    is compared in float64, as the host comparison was.
     """
     device, m = target_logits.device, tree.max_children
     table, tokens = tree.child_table(), tree.tokens.to(device)
@@ -191,7 +195,7 @@ def accept_typical(
     walking = torch.ones((), dtype=torch.bool, device=device)
     final = None
     for depth in range(tree.max_depth + 1):
-        p = target_probs(_row(target_logits, node), temperature)
+        p = target_probs(_row(target_logits, node), temperature, top_p, top_k)
         took = torch.zeros((), dtype=torch.bool, device=device)
         if depth < tree.max_depth and m:
             entropy = -(p * torch.log(p.clamp_min(1e-12))).sum()

@@ -15,7 +15,8 @@ from torch import nn
 from transformers import DynamicCache
 
 from decode.generate import generate
-from decode.layout import can_pack, head_rows, is_pretransposed, pack_linears, packed_rows
+from decode.layout import can_pack, is_pretransposed, pack_linears, packed_rows
+from decode.prepare import head_rows
 from decode.propose import make_drafter, propose
 from decode.sizing import Candidate, best_tree, interpolate, monotone_costs, rank_acceptance, size_tree
 from decode.timing import synchronize
@@ -48,7 +49,7 @@ def measure_verify_cost(
     pass), so a slow spell of a shared machine spreads over all sizes instead of spoiling one; each size gets
     the median of its rounds. The result is then made non-decreasing in n (`monotone_costs`): a tree of n
     tokens can always be padded to a larger measured size, so C_T(n) is at most C_T(m) for m > n.
-    A pretransposed target (`decode.layout`) is measured packed for each n, as `pack_for_tree` packs it to
+    A pretransposed target (`decode.layout`) is measured packed for each n, as `decode.prepare` packs it to
     decode with an n-token tree, and is left packed as it was."""
     cache = DynamicCache(config=model.config)
     model(input_ids=context, cache=cache, use_cache=True, logits_to_keep=1)

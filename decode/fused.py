@@ -21,19 +21,22 @@ import torch
 from torch import Tensor, nn
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from decode.layout import _ATTR, is_pretransposed, pack_linears, packed_rows, pretranspose_linears
+from decode.layout import (
+    is_int8_linear,
+    is_pretransposed,
+    pack_linears,
+    packed_rows,
+    pretranspose_linears,
+    transpose_min_rows,
+)
 from heads.eagle import DraftCache, EagleHead, causal_mask
 
 _CACHE = "_selfspec_fused_step"  # (fingerprint, FusedEagleStep) kept on the head, outside its state_dict
 
 
-def _is_int8(layer: nn.Module) -> bool:
-    return isinstance(layer, torch.ao.nn.quantized.dynamic.Linear)
-
-
 def _stack(layers: list[nn.Module]) -> nn.Module:
     """One layer computing the given layers' outputs side by side (same input): int8 or fp32 like them."""
-    if all(_is_int8(layer) for layer in layers):
+    if all(is_int8_linear(layer) for layer in layers):
         weights = [layer.weight() for layer in layers]
         biases = [layer.bias() for layer in layers]
         if any(w.qscheme() not in (torch.per_channel_affine, torch.per_channel_symmetric) for w in weights):
@@ -52,7 +55,7 @@ def _stack(layers: list[nn.Module]) -> nn.Module:
         stacked = torch.ao.nn.quantized.dynamic.Linear(weight.shape[1], weight.shape[0], dtype=torch.qint8)
         stacked.set_weight_bias(weight, bias)
         return stacked
-    if any(_is_int8(layer) or not isinstance(layer, nn.Linear) for layer in layers):
+    if any(is_int8_linear(layer) or not isinstance(layer, nn.Linear) for layer in layers):
         raise TypeError(f"cannot stack {[type(layer).__name__ for layer in layers]}")
     weight = torch.cat([layer.weight.detach() for layer in layers])
     has_bias = any(layer.bias is not None for layer in layers)
@@ -107,8 +110,7 @@ class FusedEagleStep:
             self.norms.update(embeds=layer.input_layernorm, hidden=layer.hidden_norm)
         fp32 = [m for m in self.layers.values() if isinstance(m, nn.Linear)]
         if fp32 and is_pretransposed(head):  # the same fp32 layout as the head's own layers
-            min_rows = next(m._selfspec_min_rows for m in head.modules() if hasattr(m, _ATTR))
-            pretranspose_linears(self.layers, min_rows=min_rows)
+            pretranspose_linears(self.layers, min_rows=transpose_min_rows(head))
             pack_linears(self.layers, packed_rows(head))
 
     @staticmethod

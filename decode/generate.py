@@ -15,20 +15,14 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 
 from decode.accept import accept_greedy, accept_sampling, accept_typical, sample, target_probs
-from decode.propose import Drafter, float_dtype, make_drafter, propose
+from decode.propose import drafter_limits, float_dtype, make_drafter, propose
 from decode.timing import synchronize
-from decode.tree import DEFAULT_MEDUSA_TREE, DEFAULT_TREES, DynamicTree, TreeBuffers, build_tree
+from decode.tree import resolve_tree
 from decode.verify import compact_cache, verify
 from heads.eagle import EagleHead
 from heads.features import FeatureCapture
+from heads.io import check_head_matches_target
 from heads.medusa import MedusaHeads
-
-# Default trees by the target's device. On a CPU the verify cost grows with the tree (REFERENCE section 6), so
-# the defaults there are small and measured on this project's 2-core CPU; on a GPU a verify pass costs about
-# the same for a few dozen tokens, and the defaults are the sizes the papers decode with.
-DEFAULT_EAGLE_TREE = DynamicTree(depth=5, top_k=4, total_tokens=12)  # sized for a 2-core CPU
-GPU_EAGLE_TREE = DynamicTree(depth=6, top_k=10, total_tokens=60)  # EAGLE-2's GPU setting
-GPU_MEDUSA_TREE = "tree16"  # the largest tree in DEFAULT_TREES (the Medusa paper's GPU trees have ~64 nodes)
 
 
 @dataclass
@@ -65,66 +59,9 @@ class GenerateOutput:
         return rates
 
 
-def default_tree(heads: nn.Module, device: torch.device | str) -> DynamicTree | list[tuple[int, ...]]:
-    """The tree `generate` uses for `heads` when none is given: GPU-sized when the target is on CUDA
-    (`GPU_EAGLE_TREE`, `GPU_MEDUSA_TREE`), CPU-sized elsewhere (`DEFAULT_EAGLE_TREE`, `DEFAULT_MEDUSA_TREE`);
-    a Medusa tree is cut to the depth the heads can draft."""
-    cuda = torch.device(device).type == "cuda"
-    if isinstance(heads, (EagleHead, Drafter)):
-        return GPU_EAGLE_TREE if cuda else DEFAULT_EAGLE_TREE
-    name = GPU_MEDUSA_TREE if cuda else DEFAULT_MEDUSA_TREE
-    return [p for p in DEFAULT_TREES[name] if len(p) <= heads.config.num_heads]
-
-
-def resolve_tree(
-    heads: nn.Module | None, tree, device: torch.device | str = "cpu"
-) -> TreeBuffers | DynamicTree | None:
-    """The tree `generate` decodes with for these heads, `tree` argument and target device (None: plain)."""
-    if heads is None:
-        return None
-    if tree is None:
-        tree = default_tree(heads, device)
-    if isinstance(tree, str):
-        if tree not in DEFAULT_TREES:
-            raise ValueError(f"unknown tree name {tree!r}; known: {sorted(DEFAULT_TREES)}")
-        tree = DEFAULT_TREES[tree]
-    if isinstance(tree, (list, tuple)):
-        tree = build_tree(tree)
-    if not isinstance(tree, (TreeBuffers, DynamicTree)):
-        raise TypeError(
-            f"tree must be rank paths, a tree name, TreeBuffers or DynamicTree, got {type(tree).__name__}"
-        )
-    max_depth = (
-        heads.config.num_heads if isinstance(heads, MedusaHeads) else getattr(heads, "max_depth", None)
-    )
-    if max_depth is not None and isinstance(tree, TreeBuffers) and tree.depth > max_depth:
-        raise ValueError(f"tree depth {tree.depth} exceeds the {max_depth} levels these heads can draft")
-    return tree
-
-
-def _check_heads(heads: nn.Module, model: nn.Module) -> None:
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    hc = heads.config
-    target_hidden = getattr(hc, "target_hidden_size", None) or hc.hidden_size
-    for key, ours, theirs in (
-        ("hidden_size", target_hidden, config.hidden_size),
-        ("vocab_size", hc.vocab_size, config.vocab_size),
-    ):
-        if ours != theirs:
-            raise ValueError(
-                f"heads were built for a target with {key}={ours}, but this target has {key}={theirs}"
-            )
-    for layer in getattr(hc, "aux_layer_ids", None) or ():
-        if not 0 <= layer < config.num_hidden_layers:
-            raise ValueError(
-                f"heads tap layer {layer}, but this target has {config.num_hidden_layers} layers"
-            )
-    _check_placement(heads, model)
-
-
 def _check_placement(heads: nn.Module, model: nn.Module) -> None:
     """Heads must sit on the target's device, their floating-point weights in its dtype. Integer tensors (d2t,
-    t2d) and int8 layers (`decode.layout.quantize_draft`, whose kept fp32 parts match an fp32 target) are
+    t2d) and int8 layers (`decode.prepare.quantize_draft`, whose kept fp32 parts match an fp32 target) are
     judged by the floating-point parameters that remain; heads with none are judged by device only."""
     tensors = [*heads.parameters(), *heads.buffers()]
     devices = {t.device for t in tensors}
@@ -177,7 +114,7 @@ def generate(
         top_p: nucleus filter of the target distribution (sampling only).
         top_k: top-k filter of the target distribution (sampling only; 0 = off).
         tree: static tree (rank paths, a name in DEFAULT_TREES, or TreeBuffers) or a DynamicTree; None = the
-            default for the target's device (`default_tree`): on CUDA the GPU sizes of the papers,
+            default for the target's device (`decode.tree.default_tree`): on CUDA the GPU sizes of the papers,
             GPU_EAGLE_TREE (EAGLE-2's depth 6, top_k 10, 60 tokens) for EAGLE heads and
             DEFAULT_TREES[GPU_MEDUSA_TREE] for Medusa; elsewhere the sizes measured on a 2-core CPU,
             DEFAULT_EAGLE_TREE (depth 5, top_k 4, 12 tokens) and DEFAULT_TREES[DEFAULT_MEDUSA_TREE].
@@ -213,10 +150,14 @@ def generate(
     if acceptance == "typical" and temperature == 0:
         raise ValueError("typical acceptance applies to sampling (temperature > 0); greedy is exact already")
     if isinstance(heads, (MedusaHeads, EagleHead)):  # before any work with them (a Drafter is taken as it is)
-        _check_heads(heads, model)
+        check_head_matches_target(heads.config, model, where=type(heads).__name__)
+        _check_placement(heads, model)
     drafter = make_drafter(heads, model) if heads is not None else None
     device = model.device
-    tree_spec = resolve_tree(heads, tree, device)
+    tree_spec = None
+    if drafter is not None:
+        max_depth, dynamic = drafter_limits(heads)
+        tree_spec = resolve_tree(tree, max_depth=max_depth, dynamic=dynamic, device=device)
     generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
     eos = _eos_set(model, eos_token_id)
     vocab_size = model.get_output_embeddings().weight.shape[0]
@@ -246,7 +187,7 @@ def generate(
             if temperature == 0:
                 path, bonus = accept_greedy(draft, logits)
             elif acceptance == "typical":
-                path, bonus = accept_typical(draft, logits, temperature, generator)
+                path, bonus = accept_typical(draft, logits, temperature, top_p, top_k, generator)
             else:
                 path, bonus = accept_sampling(draft, logits, temperature, top_p, top_k, generator)
             # The step's one device-to-host transfer: the accepted path, the bonus token, and the tree's

@@ -12,12 +12,13 @@ project's 2-core CPU (fp32, MKL, microseconds per call, standard / transposed st
 as before), inputs of `min_rows` rows or more use the transposed copy. The patched layers compute the same
 product (fp32 rounding may differ in the last bits, as it already does between different row counts), so
 greedy speculative decoding still matches plain decoding token for token. Inference only: the copy is taken
-once and does not follow later changes to the weight.
+once and does not follow later changes to the weight's values.
 
-`quantize_draft(heads, target)` is for the draft only: int8 weights (per output channel) with int8 dynamic
-activations, fbgemm's x86 kernels. Draft passes read every weight of the head for a handful of rows, so they
-are bound by memory traffic; int8 cuts it 4x. Measured on this project's 2-core CPU (microseconds per call,
-fp32 pretransposed / int8): (8192, 576) EAGLE-3 draft lm_head, 4 rows 1041 / 213; (1536, 576) 4 rows 129 / 66.
+`int8_linears(module)` swaps Linear layers for int8 weights (per output channel) with int8 dynamic
+activations, fbgemm's x86 kernels; `decode.prepare.quantize_draft` applies it to the draft only. Draft passes
+read every weight of the head for a handful of rows, so they are bound by memory traffic; int8 cuts it 4x.
+Measured on this project's 2-core CPU (microseconds per call, fp32 pretransposed / int8): (8192, 576) EAGLE-3
+draft lm_head, 4 rows 1041 / 213; (1536, 576) 4 rows 129 / 66.
 Verification still runs the unchanged target, so decoding stays lossless: greedy output is the target's, and
 sampling accepts against the draft distribution the int8 head actually proposed from. Only acceptance can
 move.
@@ -28,6 +29,25 @@ that many rows (`cblas_sgemm_pack`, what torch's inductor uses for frozen CPU li
 process, interleaved A/B (ms per verify forward above 200 cached tokens, transposed / packed): 9 rows 92 / 78,
 13 rows 95 / 78; 5 rows 77 / 78 (no gain). The packed buffers are about 4x the weights (2.6 GiB for the
 default target), so a module holds one packed row count at a time; packing it takes about 0.2 s.
+
+Why not torch's own inductor path: with `torch._inductor.config.freezing = True`, `torch.compile` (torch 2.13)
+packs each frozen fp32 Linear with the same `_mkl_reorder_linear_weight` / `_mkl_linear` pair, but only for a
+static row count (a dynamic one falls back to oneDNN's `_linear_pointwise`), and `options={"freezing": True}`
+does not freeze. Measured on the default target (one thread, 200 cached tokens, interleaved, ms per verify
+forward, eager / ours / frozen compile): 9 rows 123 / 91 / 110, 13 rows 160 / 98 / 148, outputs matching
+(argmax identical). It also compiles for 35-66 s per graph, and needs a new graph per row count, per cache
+length until that dimension turns dynamic, and per cropped (non-contiguous) cache as `compact_cache` leaves
+it. Compiling only paid for one-row plain decoding (51 vs 63 ms), which is not what this module speeds up.
+
+The transposed copy is a non-persistent buffer of its layer: `state_dict()` is unchanged, and `.to()` moves
+and casts it with the weight, which keeps it valid wherever it goes (the same values, cast the same way). The
+packed weight cannot follow: it is an opaque MKL (mkldnn) tensor that `Module.to()` can neither move nor cast
+(torch raises inside `_apply`), so it is held beside the module's tensors and stays on the CPU. A layer
+moved off the CPU or cast to another dtype therefore refuses inputs of its packed row count, with an error
+naming the layer, until `pack_linears(module, None)` (or `decode.prepare` on the new device or dtype, which
+calls it) drops the packed weight; other row counts run as usual.
+
+A leaf: this module knows `nn.Linear` only (no heads, trees or decoding loop).
 """
 
 from __future__ import annotations
@@ -38,62 +58,34 @@ import warnings
 import torch
 from torch import Tensor, nn
 
-_ATTR = "_selfspec_weight_t"
-_PACKED = "_selfspec_packed"  # (rows, MKL-packed weight) or absent
+_WEIGHT_T = "_selfspec_weight_t"  # buffer: (out, in) view of the (in, out) row-major copy of the weight
+_PACKED = "_selfspec_packed"  # attribute: (rows, MKL's packed form of the fp32 weight for that many rows)
 
 
 def _forward(self: nn.Linear, x: Tensor) -> Tensor:
     rows = x.numel() // x.shape[-1] if x.numel() else 0
-    packed = getattr(self, _PACKED, None)
+    packed = self.__dict__.get(_PACKED)
     if packed is not None and rows == packed[0]:
+        if not _packable(self.weight):
+            raise RuntimeError(
+                f"Linear layer {self._selfspec_name!r} holds an MKL-packed weight for {rows}-row inputs, "
+                f"valid on the CPU in float32 only, but it is now on {self.weight.device} / "
+                f"{str(self.weight.dtype).removeprefix('torch.')}; after moving or casting a prepared model, "
+                "call decode.prepare(model, heads, tree) again (or decode.layout.pack_linears(model, None))"
+            )
         out = torch.ops.mkl._mkl_linear(x.reshape(rows, x.shape[-1]), packed[1], self.weight, self.bias, rows)
         return out.reshape(*x.shape[:-1], out.shape[-1])
-    weight = getattr(self, _ATTR) if rows >= self._selfspec_min_rows else self.weight
+    weight = self._buffers[_WEIGHT_T] if rows >= self._selfspec_min_rows else self.weight
     return nn.functional.linear(x, weight, self.bias)
+
+
+def _packable(tensor: Tensor) -> bool:
+    return tensor.device.type == "cpu" and tensor.dtype == torch.float32
 
 
 def can_pack() -> bool:
     """True when this torch build has MKL's packed sgemm (x86 CPU wheels do)."""
     return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
-
-
-def pack_linears(module: nn.Module, rows: int | None) -> int:
-    """Make every pretransposed fp32 `nn.Linear` under `module` multiply inputs of exactly `rows` rows with an
-    MKL-packed weight (see the module docstring); `rows=None` drops the packed weights. A new row count
-    replaces the previous one (the buffers are large). A no-op where MKL packing is unavailable.
-
-    Args:
-        module: a module already passed to `pretranspose_linears` (other layers are left alone).
-        rows: the row count of the passes to speed up, typically `decode.tree.verify_rows(tree)`; >= 2.
-    Returns:
-        Bytes the packed buffers now hold (0 when nothing is packed).
-    """
-    if rows is not None and rows < 2:
-        raise ValueError(f"rows must be >= 2 (one-row passes keep the original weight), got {rows}")
-    held, packable = 0, rows is not None and can_pack()
-    for layer in module.modules():
-        if not isinstance(layer, nn.Linear) or not hasattr(layer, _ATTR):
-            continue
-        current = getattr(layer, _PACKED, None)
-        if not packable or layer.weight.dtype != torch.float32:
-            if current is not None:
-                delattr(layer, _PACKED)
-            continue
-        if current is None or current[0] != rows:
-            with torch.no_grad():
-                setattr(
-                    layer,
-                    _PACKED,
-                    (rows, torch.ops.mkl._mkl_reorder_linear_weight(layer.weight.detach(), rows)),
-                )
-        buffer = getattr(layer, _PACKED)[1]
-        held += buffer.numel() * buffer.element_size()
-    return held
-
-
-def packed_rows(module: nn.Module) -> int | None:
-    """The row count `module`'s layers are packed for, or None."""
-    return next((getattr(layer, _PACKED)[0] for layer in module.modules() if hasattr(layer, _PACKED)), None)
 
 
 def pretranspose_linears(module: nn.Module, *, min_rows: int = 4) -> int:
@@ -110,15 +102,17 @@ def pretranspose_linears(module: nn.Module, *, min_rows: int = 4) -> int:
     if min_rows < 1:
         raise ValueError(f"min_rows must be >= 1, got {min_rows}")
     added = 0
-    for layer in module.modules():
+    for name, layer in module.named_modules():
         if not isinstance(layer, nn.Linear) or layer.weight.device.type != "cpu":
             continue
         layer._selfspec_min_rows = min_rows
-        if hasattr(layer, _ATTR):
+        if _WEIGHT_T in layer._buffers:
             continue
         with torch.no_grad():
             # (out, in) view of an (in, out) row-major copy: F.linear then multiplies by the contiguous copy
-            setattr(layer, _ATTR, layer.weight.detach().t().contiguous().t())
+            copy = layer.weight.detach().t().contiguous().t()
+        layer.register_buffer(_WEIGHT_T, copy, persistent=False)
+        layer._selfspec_name = name or type(module).__name__  # for error messages
         layer.forward = types.MethodType(_forward, layer)
         added += layer.weight.numel() * layer.weight.element_size()
     return added
@@ -126,45 +120,74 @@ def pretranspose_linears(module: nn.Module, *, min_rows: int = 4) -> int:
 
 def is_pretransposed(module: nn.Module) -> bool:
     """True when some `nn.Linear` under `module` carries the transposed copy."""
-    return any(hasattr(layer, _ATTR) for layer in module.modules() if isinstance(layer, nn.Linear))
+    return any(transposed_weight(layer) is not None for layer in module.modules())
 
 
-def pack_for_tree(target: nn.Module, heads: nn.Module | None, tree) -> None:
-    """Pack the pretransposed target for the tree's verify row count and, for a dynamic tree, an EAGLE head
-    for its `top_k` rows per level (each level of a dynamic tree expands exactly top_k nodes). Modules that
-    were not pretransposed are left alone; other trees and heads drop their packed weights.
+def transposed_weight(layer: nn.Module) -> Tensor | None:
+    """The layer's transposed copy ((out, in), stored (in, out) row-major), or None when it has none."""
+    return layer._buffers.get(_WEIGHT_T) if isinstance(layer, nn.Linear) else None
+
+
+def transpose_min_rows(module: nn.Module) -> int | None:
+    """The smallest row count for which `module`'s (first) pretransposed layer uses its copy, or None."""
+    return next(
+        (layer._selfspec_min_rows for layer in module.modules() if transposed_weight(layer) is not None), None
+    )
+
+
+def pack_linears(module: nn.Module, rows: int | None) -> int:
+    """Make every pretransposed fp32 CPU `nn.Linear` under `module` multiply inputs of exactly `rows` rows
+    with an MKL-packed weight (see the module docstring); `rows=None` drops the packed weights, and so do
+    layers no longer fp32 on the CPU. A new row count replaces the previous one (the buffers are
+    large). A no-op where MKL packing is unavailable.
 
     Args:
-        target: the target model.
-        heads: the draft heads passed to `generate` (or None for plain decoding).
-        tree: the tree passed to `generate` (a `DynamicTree`, rank paths, a tree name, `TreeBuffers`
-            or None for the heads' default tree).
+        module: a module already passed to `pretranspose_linears` (other layers are left alone).
+        rows: the row count of the passes to speed up, typically `decode.tree.verify_rows(tree)`; >= 2.
+    Returns:
+        Bytes the packed buffers now hold (0 when nothing is packed).
     """
-    from decode.generate import resolve_tree
-    from decode.tree import verify_rows
+    if rows is not None and rows < 2:
+        raise ValueError(f"rows must be >= 2 (one-row passes keep the original weight), got {rows}")
+    held, packable = 0, rows is not None and can_pack()
+    for layer in module.modules():
+        if transposed_weight(layer) is None:
+            continue
+        current = layer.__dict__.get(_PACKED)
+        if not packable or not _packable(layer.weight):
+            if current is not None:
+                del layer.__dict__[_PACKED]
+            continue
+        if current is None or current[0] != rows:
+            with torch.no_grad():
+                layer.__dict__[_PACKED] = (
+                    rows,
+                    torch.ops.mkl._mkl_reorder_linear_weight(layer.weight.detach(), rows),
+                )
+        buffer = layer.__dict__[_PACKED][1]
+        held += buffer.numel() * buffer.element_size()
+    return held
 
-    tree = resolve_tree(heads, tree, target.device)
-    pack_linears(target, None if tree is None else verify_rows(tree))
-    if isinstance(heads, nn.Module):
-        pack_linears(heads, head_rows(heads, tree))
+
+def packed_weight(layer: nn.Module) -> Tensor | None:
+    """The layer's MKL-packed weight (an opaque fp32 CPU tensor), or None when it has none."""
+    packed = layer.__dict__.get(_PACKED)
+    return None if packed is None else packed[1]
 
 
-def head_rows(heads: nn.Module, tree) -> int | None:
-    """The row count a draft head is packed for with this (resolved) tree: an EAGLE head's `top_k` on a
-    dynamic tree (every level expands exactly top_k nodes), else None (row counts vary or are 1)."""
-    from decode.tree import DynamicTree
-    from heads.eagle import EagleHead
-
-    dynamic = isinstance(heads, EagleHead) and isinstance(tree, DynamicTree) and tree.top_k >= 2
-    return tree.top_k if dynamic else None
+def packed_rows(module: nn.Module) -> int | None:
+    """The row count `module`'s layers are packed for, or None."""
+    return next((layer.__dict__[_PACKED][0] for layer in module.modules() if _PACKED in layer.__dict__), None)
 
 
-DRAFT_LM_HEAD = "_selfspec_draft_lm_head"  # int8 copy of the target's lm_head for drafts that share it
+def can_int8() -> bool:
+    """True when this torch build has the x86 (fbgemm) kernels `int8_linears` needs."""
+    return bool({"x86", "fbgemm"} & set(torch.backends.quantized.supported_engines))
 
 
-def _int8_linears(module: nn.Module, skip: tuple[str, ...] = ()) -> None:
+def int8_linears(module: nn.Module, skip: tuple[str, ...] = ()) -> None:
     """Swap the `nn.Linear` layers under `module` (not `module` itself, nor those named in `skip`) for
-    fbgemm's dynamic int8 Linear, in place."""
+    fbgemm's dynamic int8 Linear (per output channel weights), in place; their copies go with them."""
     from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
 
     names = {
@@ -178,72 +201,6 @@ def _int8_linears(module: nn.Module, skip: tuple[str, ...] = ()) -> None:
         )
 
 
-def can_int8() -> bool:
-    """True when this torch build has the x86 (fbgemm) kernels `quantize_draft` needs."""
-    return bool({"x86", "fbgemm"} & set(torch.backends.quantized.supported_engines))
-
-
-def quantize_draft(heads: nn.Module, target: nn.Module | None = None) -> nn.Module:
-    """Give the draft int8 weights for decoding (see the module docstring), in place; returns `heads`.
-
-    Every `nn.Linear` of the heads becomes a dynamic int8 Linear (pretransposed or packed copies are dropped
-    with the old layers), except an EAGLE head's `fc`: it reads the target's raw hidden states, whose outlier
-    channels one int8 activation scale per tensor cannot hold (measured on the default target's EAGLE-3 head,
-    3 chat
-    prompts: tau 3.18 with fc kept in fp32, as with the fp32 head; 2.56 with fc in int8). `fc` runs once per
-    step, on the accepted tokens only. Heads that project with the target's lm_head (Medusa `share_lm_head`,
-    EAGLE-1) get an int8 copy of it that only their drafts use; the target itself is not touched. Inference
-    only: do not train or save quantized heads (their Linear weights are no longer parameters).
-
-    Args:
-        heads: MedusaHeads or an EagleHead, fp32, on the CPU.
-        target: the target whose lm_head the heads share; required for such heads.
-    Raises:
-        RuntimeError: this torch build has no x86 quantized engine.
-        ValueError: heads off the CPU or not fp32, or a shared lm_head without `target`.
-    """
-    from heads.eagle import EagleHead
-    from heads.medusa import MedusaHeads
-
-    if not can_int8():
-        raise RuntimeError(
-            "int8 drafts need fbgemm (x86) kernels; this torch build has "
-            f"{torch.backends.quantized.supported_engines}"
-        )
-    floats = [p for p in (*heads.parameters(), *heads.buffers()) if p.is_floating_point()]
-    if any(p.device.type != "cpu" or p.dtype != torch.float32 for p in floats):
-        raise ValueError(
-            "int8 drafts are for fp32 heads on the CPU; these heads hold "
-            f"{sorted({f'{p.dtype} on {p.device}' for p in floats})}"
-        )
-    shares = (isinstance(heads, MedusaHeads) and heads.config.share_lm_head) or (
-        isinstance(heads, EagleHead) and heads.head_type == "eagle1"
-    )
-    if shares:
-        if target is None:
-            raise ValueError(f"these {type(heads).__name__} project with the target's lm_head: pass target=")
-        shared = target.get_output_embeddings()
-        plain = nn.Linear(shared.in_features, shared.out_features, bias=shared.bias is not None)
-        plain.weight, plain.bias = (
-            shared.weight,
-            shared.bias,
-        )  # the target's tensors, read once by the quantizer
-        holder = nn.Sequential(plain)
-        _int8_linears(holder)
-        object.__setattr__(heads, DRAFT_LM_HEAD, holder[0])  # not a submodule: stays out of state_dict()
-    _int8_linears(heads, skip=("fc",) if isinstance(heads, EagleHead) else ())
-    return heads
-
-
-def draft_lm_head(heads: nn.Module, target: nn.Module) -> nn.Module:
-    """The lm_head a draft that shares the target's projects with: its int8 copy, if any, else the
-    target's."""
-    own = heads.__dict__.get(DRAFT_LM_HEAD)
-    return own if own is not None else target.get_output_embeddings()
-
-
-def is_int8_draft(heads: nn.Module) -> bool:
-    """True when `quantize_draft` has been applied to `heads`."""
-    from heads.io import quantized_layers
-
-    return bool(quantized_layers(heads))
+def is_int8_linear(layer: nn.Module) -> bool:
+    """True for fbgemm's dynamic int8 Linear (what `int8_linears` swaps in)."""
+    return isinstance(layer, torch.ao.nn.quantized.dynamic.Linear)

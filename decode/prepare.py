@@ -1,18 +1,18 @@
-"""`prepare`: the one call that readies a target and its draft heads for fast decoding on their device."""
+"""`prepare`: the one call that readies a target and its draft heads for fast decoding on their device, and
+the head-aware steps it takes (int8 drafts, packing for a tree's row counts) over `decode/layout.py`'s layers.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from decode.layout import (
-    can_int8,
-    can_pack,
-    is_int8_draft,
-    pack_for_tree,
-    pretranspose_linears,
-    quantize_draft,
-)
+from decode.layout import can_int8, can_pack, int8_linears, pack_linears, pretranspose_linears
+from decode.propose import DRAFT_LM_HEAD, drafter_limits
+from decode.tree import DynamicTree, resolve_tree, verify_rows
+from heads.eagle import EagleHead
+from heads.io import quantized_layers
+from heads.medusa import MedusaHeads
 
 
 def prepare(
@@ -28,13 +28,16 @@ def prepare(
 
     On an x86 CPU (MKL and fbgemm present) with an fp32 target: int8 draft weights, pretransposed weight
     copies for multi-token passes, and MKL-packed weights for the tree's verify row count. Elsewhere (CUDA,
-    other CPUs, half precision) nothing is changed. Greedy output stays token for token that of plain
-    decoding; int8 drafts can only move acceptance. Call it again with another tree before decoding with that
-    tree (re-packing takes about 0.2 s on the default target); the other steps are done once.
+    other CPUs, half precision) nothing is changed, except that packed weights a prepared model took along
+    to another device or dtype are dropped. Greedy output stays token for token that of plain decoding; int8
+    drafts can only move acceptance. Call it again with another tree before decoding with that tree
+    (re-packing takes about 0.2 s on the default target), or after moving the model; the other steps are done
+    once.
 
     Args:
         model: the target, in inference use.
-        heads: the draft heads (None for plain decoding, which then keeps its one-row passes as they are).
+        heads: the draft heads, or a custom `Drafter` (which only sizes the tree); None for plain decoding,
+            which then keeps its one-row passes as they are.
         tree: the tree `generate` will get (None: the heads' default tree).
         pretranspose: force the weight copies and packing on (True) or off (False); None: where they help.
         int8_draft: force int8 draft weights on or off; None: on where fbgemm's x86 kernels exist.
@@ -44,11 +47,95 @@ def prepare(
         int8_draft = fast_cpu and can_int8()
     if pretranspose is None:
         pretranspose = fast_cpu and can_pack()
-    if heads is not None and int8_draft and not is_int8_draft(heads):
+    head_module = isinstance(heads, nn.Module)  # a custom `decode.propose.Drafter` is left as it is
+    if head_module and int8_draft and not is_int8_draft(heads):
         quantize_draft(heads, model)
     if pretranspose:
         pretranspose_linears(model)
-        if heads is not None:
+        if head_module:
             pretranspose_linears(heads)
     pack_for_tree(model, heads, tree)
     return heads
+
+
+def quantize_draft(heads: nn.Module, target: nn.Module | None = None) -> nn.Module:
+    """Give the draft int8 weights for decoding (`decode.layout.int8_linears`), in place; returns `heads`.
+
+    Every `nn.Linear` of the heads becomes a dynamic int8 Linear (pretransposed or packed copies are dropped
+    with the old layers), except an EAGLE head's `fc`: it reads the target's raw hidden states, whose outlier
+    channels one int8 activation scale per tensor cannot hold (measured on the default target's EAGLE-3 head,
+    3 chat prompts: tau 3.18 with fc kept in fp32, as with the fp32 head; 2.56 with fc in int8). `fc` runs
+    once per step, on the accepted tokens only. Heads that project with the target's lm_head (Medusa
+    `share_lm_head`, EAGLE-1) get an int8 copy of it that only their drafts use
+    (`decode.propose.draft_lm_head`); the target itself is not touched. Inference only: do not train or save
+    quantized heads (their Linear weights are no longer parameters).
+
+    Args:
+        heads: MedusaHeads or an EagleHead, fp32, on the CPU.
+        target: the target whose lm_head the heads share; required for such heads.
+    Raises:
+        RuntimeError: this torch build has no x86 quantized engine.
+        ValueError: heads off the CPU or not fp32, or a shared lm_head without `target`.
+    """
+    if not can_int8():
+        raise RuntimeError(
+            "int8 drafts need fbgemm (x86) kernels; this torch build has "
+            f"{torch.backends.quantized.supported_engines}"
+        )
+    floats = [p for p in (*heads.parameters(), *heads.buffers()) if p.is_floating_point()]
+    if any(p.device.type != "cpu" or p.dtype != torch.float32 for p in floats):
+        raise ValueError(
+            "int8 drafts are for fp32 heads on the CPU; these heads hold "
+            f"{sorted({f'{p.dtype} on {p.device}' for p in floats})}"
+        )
+    shares = (isinstance(heads, MedusaHeads) and heads.config.share_lm_head) or (
+        isinstance(heads, EagleHead) and heads.head_type == "eagle1"
+    )
+    if shares:
+        if target is None:
+            raise ValueError(f"these {type(heads).__name__} project with the target's lm_head: pass target=")
+        shared = target.get_output_embeddings()
+        plain = nn.Linear(shared.in_features, shared.out_features, bias=shared.bias is not None)
+        plain.weight, plain.bias = (
+            shared.weight,
+            shared.bias,
+        )  # the target's tensors, read once by the quantizer
+        holder = nn.Sequential(plain)
+        int8_linears(holder)
+        object.__setattr__(heads, DRAFT_LM_HEAD, holder[0])  # not a submodule: stays out of state_dict()
+    int8_linears(heads, skip=("fc",) if isinstance(heads, EagleHead) else ())
+    return heads
+
+
+def is_int8_draft(heads: nn.Module) -> bool:
+    """True when `quantize_draft` has been applied to `heads`."""
+    return bool(quantized_layers(heads))
+
+
+def pack_for_tree(target: nn.Module, heads: nn.Module | None, tree) -> None:
+    """Pack the pretransposed target for the tree's verify row count and, for a dynamic tree, an EAGLE head
+    for its `top_k` rows per level (each level of a dynamic tree expands exactly top_k nodes). Modules that
+    were not pretransposed are left alone; other trees and heads drop their packed weights, and so do layers
+    no longer fp32 on the CPU.
+
+    Args:
+        target: the target model.
+        heads: the draft heads passed to `generate` (or None for plain decoding).
+        tree: the tree passed to `generate` (a `DynamicTree`, rank paths, a tree name, `TreeBuffers`
+            or None for the heads' default tree).
+    """
+    if heads is None:
+        pack_linears(target, None)
+        return
+    max_depth, dynamic = drafter_limits(heads)
+    tree = resolve_tree(tree, max_depth=max_depth, dynamic=dynamic, device=target.device)
+    pack_linears(target, verify_rows(tree))
+    if isinstance(heads, nn.Module):
+        pack_linears(heads, head_rows(heads, tree))
+
+
+def head_rows(heads: nn.Module, tree) -> int | None:
+    """The row count a draft head is packed for with this (resolved) tree: an EAGLE head's `top_k` on a
+    dynamic tree (every level expands exactly top_k nodes), else None (row counts vary or are 1)."""
+    dynamic = isinstance(heads, EagleHead) and isinstance(tree, DynamicTree) and tree.top_k >= 2
+    return tree.top_k if dynamic else None

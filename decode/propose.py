@@ -20,7 +20,6 @@ import torch
 from torch import Tensor, nn
 
 from decode.fused import fused_step
-from decode.layout import draft_lm_head
 from decode.tree import DraftTree, DynamicTree, TreeBuffers, build_tree
 from heads.eagle import DraftCache, EagleHead, additive_mask
 from heads.medusa import MedusaHeads
@@ -50,6 +49,16 @@ def draw_children(
     gumbel = -torch.log(-torch.log(uniform))
     ids = torch.topk(logq + gumbel, k).indices  # Gumbel-top-k = sequential sampling without replacement
     return Candidates(ids, torch.topk(logq, k).values, logq.exp())
+
+
+DRAFT_LM_HEAD = "_selfspec_draft_lm_head"  # a draft's own copy of the target's lm_head (`decode.prepare`)
+
+
+def draft_lm_head(heads: nn.Module, target: nn.Module) -> nn.Module:
+    """The lm_head a draft that shares the target's projects with: its own (int8) copy, if
+    `decode.prepare.quantize_draft` gave it one, else the target's."""
+    own = heads.__dict__.get(DRAFT_LM_HEAD)
+    return own if own is not None else target.get_output_embeddings()
 
 
 def float_dtype(module: nn.Module) -> torch.dtype:
@@ -222,6 +231,18 @@ def make_drafter(heads: nn.Module, target: nn.Module) -> Drafter:
         return MedusaDrafter(heads, target)
     if isinstance(heads, EagleHead):
         return EagleDrafter(heads, target)
+    raise TypeError(f"heads must be MedusaHeads or EagleHead, got {type(heads).__name__}")
+
+
+def drafter_limits(heads: nn.Module) -> tuple[int | None, bool]:
+    """What `decode.tree.resolve_tree` needs to know of a drafter: the deepest level it can draft (None: no
+    limit) and whether it grows EAGLE-2 dynamic trees by default (EAGLE heads and `Drafter`s do)."""
+    if isinstance(heads, MedusaHeads):
+        return heads.config.num_heads, False
+    if isinstance(heads, EagleHead):
+        return None, True
+    if isinstance(heads, Drafter):
+        return heads.max_depth, True
     raise TypeError(f"heads must be MedusaHeads or EagleHead, got {type(heads).__name__}")
 
 

@@ -2,7 +2,8 @@
 
 A static tree is a list of rank paths: `(0, 1)` is "the parent's best candidate, then that node's second
 best". Node 0 is always the root: the token the target already chose, whose KV is not yet cached.
-Everything here is pure; the drafters in `decode/propose.py` fill trees with tokens.
+Everything here is pure; the drafters in `decode/propose.py` fill trees with tokens. The bottom of `decode/`:
+it imports nothing else from the package.
 """
 
 from __future__ import annotations
@@ -23,8 +24,6 @@ class TreeBuffers:
     parents: Tensor  # (N,) int64, parents[0] = -1
     ranks: Tensor  # (N,) int64 sibling rank (0 = best candidate), 0 for the root
     position_ids: Tensor  # (N,) int64 depth of each node, added to the committed length
-    attn_mask: Tensor  # (N, N) bool, [i, j] = j is i or an ancestor of i
-    retrieve_indices: Tensor  # (P, D + 1) int64 root-to-leaf node indices, padded with -1
 
     @property
     def depth(self) -> int:
@@ -60,7 +59,7 @@ def tree_label(tree: DynamicTree | str | Sequence[Sequence[int]]) -> str:
 
 def verify_rows(tree: DynamicTree | TreeBuffers | str | Sequence[Sequence[int]]) -> int:
     """Tokens one verify forward passes for this tree, root included (a dynamic tree's when the drafter
-    reaches its full size): what `decode.layout.pack_linears` packs for."""
+    reaches its full size): what `decode.prepare` packs the target's weights for."""
     if isinstance(tree, DynamicTree):
         return tree.total_tokens + 1
     if isinstance(tree, TreeBuffers):
@@ -86,23 +85,6 @@ def node_depths(parents: Tensor) -> Tensor:
     for i, parent in enumerate(parents.tolist()):
         depths[i] = 0 if parent < 0 else depths[parent] + 1
     return torch.tensor(depths, dtype=torch.long)
-
-
-def leaf_paths(parents: Tensor) -> Tensor:
-    """(P, D + 1) root-to-leaf node indices, padded with -1."""
-    plist = parents.tolist()
-    has_child = {p for p in plist if p >= 0}
-    paths = []
-    for leaf in range(len(plist)):
-        if leaf in has_child:
-            continue
-        path, node = [], leaf
-        while node >= 0:
-            path.append(node)
-            node = plist[node]
-        paths.append(path[::-1])
-    width = max(len(p) for p in paths)
-    return torch.tensor([p + [-1] * (width - len(p)) for p in paths], dtype=torch.long)
 
 
 def build_tree(paths: Sequence[Sequence[int]]) -> TreeBuffers:
@@ -136,8 +118,6 @@ def build_tree(paths: Sequence[Sequence[int]]) -> TreeBuffers:
         parents=parents,
         ranks=ranks,
         position_ids=node_depths(parents),
-        attn_mask=ancestor_mask(parents),
-        retrieve_indices=leaf_paths(parents),
     )
 
 
@@ -170,6 +150,67 @@ DEFAULT_TREES: dict[str, list[tuple[int, ...]]] = {
     ],
 }
 DEFAULT_MEDUSA_TREE = "tree8"
+# Default trees by the target's device. On a CPU the verify cost grows with the tree (REFERENCE section 6), so
+# the defaults there are small and measured on this project's 2-core CPU; on a GPU a verify pass costs about
+# the same for a few dozen tokens, and the defaults are the sizes the papers decode with.
+DEFAULT_EAGLE_TREE = DynamicTree(depth=5, top_k=4, total_tokens=12)  # sized for a 2-core CPU
+GPU_EAGLE_TREE = DynamicTree(depth=6, top_k=10, total_tokens=60)  # EAGLE-2's GPU setting
+GPU_MEDUSA_TREE = "tree16"  # the largest tree in DEFAULT_TREES (the Medusa paper's GPU trees have ~64 nodes)
+
+
+def default_tree(
+    max_depth: int | None, dynamic: bool, device: torch.device | str = "cpu"
+) -> DynamicTree | list[tuple[int, ...]]:
+    """The tree `generate` uses when none is given: GPU-sized when the target is on CUDA (`GPU_EAGLE_TREE`,
+    `GPU_MEDUSA_TREE`), CPU-sized elsewhere (`DEFAULT_EAGLE_TREE`, `DEFAULT_MEDUSA_TREE`).
+
+    Args:
+        max_depth: the deepest level the drafter can draft (Medusa: its number of heads); None = no limit.
+            A static default tree is cut to it.
+        dynamic: the drafter grows EAGLE-2 dynamic trees (EAGLE heads, custom drafters); else a static tree.
+        device: the target's device.
+    """
+    cuda = torch.device(device).type == "cuda"
+    if dynamic:
+        return GPU_EAGLE_TREE if cuda else DEFAULT_EAGLE_TREE
+    paths = DEFAULT_TREES[GPU_MEDUSA_TREE if cuda else DEFAULT_MEDUSA_TREE]
+    return [p for p in paths if max_depth is None or len(p) <= max_depth]
+
+
+def resolve_tree(
+    tree: DynamicTree | TreeBuffers | str | Sequence[Sequence[int]] | None,
+    *,
+    max_depth: int | None,
+    dynamic: bool,
+    device: torch.device | str = "cpu",
+) -> TreeBuffers | DynamicTree:
+    """The tree to decode with, from a `tree` argument of `generate` and what the drafter can do.
+
+    Args:
+        tree: rank paths, a name in DEFAULT_TREES, TreeBuffers, a DynamicTree, or None for `default_tree`.
+        max_depth: the deepest level the drafter can draft; None = no limit. A deeper static tree is an error
+            (a dynamic tree is cut to it while drafting).
+        dynamic: the drafter's default is a dynamic tree (see `default_tree`).
+        device: the target's device (picks the default tree).
+    Raises:
+        ValueError: an unknown tree name, an invalid tree, or a static tree deeper than `max_depth`.
+        TypeError: `tree` is none of the above.
+    """
+    if tree is None:
+        tree = default_tree(max_depth, dynamic, device)
+    if isinstance(tree, str):
+        if tree not in DEFAULT_TREES:
+            raise ValueError(f"unknown tree name {tree!r}; known: {sorted(DEFAULT_TREES)}")
+        tree = DEFAULT_TREES[tree]
+    if isinstance(tree, (list, tuple)):
+        tree = build_tree(tree)
+    if not isinstance(tree, (TreeBuffers, DynamicTree)):
+        raise TypeError(
+            f"tree must be rank paths, a tree name, TreeBuffers or DynamicTree, got {type(tree).__name__}"
+        )
+    if max_depth is not None and isinstance(tree, TreeBuffers) and tree.depth > max_depth:
+        raise ValueError(f"tree depth {tree.depth} exceeds the {max_depth} levels these heads can draft")
+    return tree
 
 
 def select_nodes(scores: Sequence[float], parents: Sequence[int], budget: int) -> list[int]:

@@ -40,7 +40,7 @@ def _text_config(target) -> object:
 
 
 def quantized_layers(module: nn.Module) -> list[str]:
-    """Names of the torch.ao quantized layers under `module` (what `decode.layout.quantize_draft` swaps
+    """Names of the torch.ao quantized layers under `module` (what `decode.prepare.quantize_draft` swaps
     in)."""
     return [
         name
@@ -71,7 +71,7 @@ def save_heads(
         The folder.
     """
     quantized = quantized_layers(head)
-    if quantized:  # decode.layout.quantize_draft: int8 copies for decoding, not the trained weights
+    if quantized:  # decode.prepare.quantize_draft: int8 copies for decoding, not the trained weights
         raise ValueError(
             f"this head holds {len(quantized)} quantized layers ({', '.join(quantized[:3])}, ...): "
             "int8 drafts are for decoding only; save the fp32 head"
@@ -121,8 +121,17 @@ def read_head_config(path: str | Path) -> dict:
     return config
 
 
-def check_head_matches_target(config: dict, target, where: str = "head") -> None:
-    """Raise if the head config does not fit the target (hidden size, vocab, architecture, tap depth)."""
+def check_head_matches_target(config: dict | MedusaConfig | EagleConfig, target, where: str = "head") -> None:
+    """Raise if the head config does not fit the target (hidden size, vocab, architecture, tap depth).
+
+    Args:
+        config: an export's `config.json` (`read_head_config`), or a head module's own config (`head.config`:
+            sizes and tapped layers only, as it records no base model).
+        target: the target model or its config.
+        where: names the head in the message.
+    """
+    if not isinstance(config, dict):
+        config = {"head_config": config.to_dict()}
     text = _text_config(target)
     head = config["head_config"]
     checks = [
@@ -133,11 +142,12 @@ def check_head_matches_target(config: dict, target, where: str = "head") -> None
         checks.append(("model_type", config["base_model_type"], text.model_type))
     if config.get("base_num_hidden_layers") is not None:  # same width, other depth: the features differ
         checks.append(("num_hidden_layers", config["base_num_hidden_layers"], text.num_hidden_layers))
+    source = f" (base_model={config['base_model']!r})" if "base_model" in config else ""
     for key, ours, theirs in checks:
         if ours != theirs:
             raise ValueError(
                 f"{where} was built for a target with {key}={ours!r}, but this target has "
-                f"{key}={theirs!r} (base_model={config.get('base_model')!r})"
+                f"{key}={theirs!r}{source}"
             )
     for layer in head.get("aux_layer_ids") or ():
         if not 0 <= layer < text.num_hidden_layers:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from decode import generate
+from decode import generate, prepare
 from heads import load_heads
 from heads.target import DEFAULT_TARGET, load_target
 
@@ -47,6 +47,8 @@ def check(dtype: torch.dtype, rows: list[dict], args) -> int:
     started = time.perf_counter()
     model, tokenizer = load_target(args.target, dtype=dtype, device=args.device)
     head = load_heads(args.head, target=model, dtype=dtype, device=model.device)  # generate: target's dtype
+    # what a user does once: nothing on CUDA; on an x86 CPU with the fp32 target, its layout and int8 drafts
+    prepare(model, head)
     prompts = [
         tokenizer.apply_chat_template(
             row["messages"], add_generation_prompt=True, return_tensors="pt", return_dict=True
@@ -81,7 +83,7 @@ def check(dtype: torch.dtype, rows: list[dict], args) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--head", required=True, help="exported EAGLE or Medusa head folder")
     parser.add_argument("--target", default=DEFAULT_TARGET, help="the target the head was trained on")
     parser.add_argument("--device", default="cuda")

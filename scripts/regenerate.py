@@ -15,28 +15,21 @@ from pathlib import Path
 import torch
 
 from heads.target import DEFAULT_TARGET, load_target
-from train.data import read_rows
-from train.regen import regenerate
+from train.config import TORCH_DTYPES
+from train.regen import read_prompts, regenerate
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument(
-        "--prompts", type=Path, required=True, help="JSON/JSONL chat rows; ids default to file:line"
-    )
+    parser.add_argument("--prompts", type=Path, required=True, help="JSON/JSONL chat rows; ids are file:line")
     parser.add_argument("--out", type=Path, required=True, help="folder for shard-NNNNN.jsonl")
     parser.add_argument("--model", default=DEFAULT_TARGET, help="target name, local folder or hub id")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--limit", type=int, default=None, help="only the first N prompts of the file")
-    parser.add_argument(
-        "--start",
-        type=int,
-        default=0,
-        help="skip the prompts before this index (with --limit: prompts start..limit-1)",
-    )
+    parser.add_argument("--start", type=int, default=0, help="skip the prompts before this index")
     parser.add_argument(
         "--max-prompt-tokens",
         type=int,
@@ -47,23 +40,19 @@ def main() -> None:
     parser.add_argument("--shard-size", type=int, default=256, help="rows per shard (the unit of resumption)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", default="float32", choices=list(TORCH_DTYPES))
     args = parser.parse_args()
 
-    rows = []
-    for number, row in read_rows(args.prompts):
-        if isinstance(row, Exception):
-            raise SystemExit(f"{args.prompts}:{number}: {row}")
-        rows.append({"id": f"{args.prompts.name}:{number}", **row})
-    chosen = rows[args.start : args.limit]
-    if not chosen:
-        raise SystemExit(f"{args.prompts}: no prompts in [{args.start}, {args.limit}) of {len(rows)} rows")
+    try:
+        prompts = read_prompts(args.prompts, args.start, args.limit)
+    except ValueError as error:
+        raise SystemExit(str(error)) from error
     torch.manual_seed(args.seed)
-    model, tokenizer = load_target(args.model, dtype=getattr(torch, args.dtype), device=args.device)
+    model, tokenizer = load_target(args.model, dtype=TORCH_DTYPES[args.dtype], device=args.device)
     stats = regenerate(
         model,
         tokenizer,
-        chosen,
+        prompts,
         args.out,
         batch_size=args.batch_size,
         max_new_tokens=args.max_new_tokens,

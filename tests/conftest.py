@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from decode.propose import Drafter
 from heads.features import LAST
+from heads.target import materialize_default_target
 
 # The four architectures the lossless grid runs on, and two more that build and decode losslessly here too
 # (gemma2: alternating sliding / full layers and soft-capping; gemma3_text: sliding layers and per-layer-type
@@ -121,3 +123,26 @@ def rank_oracle():
     """The `RankOracle` class (conftest modules are not importable from tests under
     --import-mode=importlib)."""
     return RankOracle
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory) -> Path:
+    """A random 4-layer llama (H=32, tied embeddings) saved with the SmolLM2 tokenizer, so the recipe's
+    chat template, masking and draft-vocabulary code run on a real 49k vocabulary. No network."""
+    tokenizer = AutoTokenizer.from_pretrained(materialize_default_target())
+    config = AutoConfig.for_model(
+        "llama",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=len(tokenizer),
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    path = tmp_path_factory.mktemp("tiny_llama")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

@@ -1,6 +1,7 @@
 """Resume states and exports (STYLE section 5): resume = `accelerator.save_state`, never shipped; export =
 `heads.save_heads` (config.json + model.safetensors). Resume states are written atomically: a killed run
-leaves either the previous complete state or the new complete one, never a half-written one as "latest"."""
+leaves either the previous complete state or the new complete one, never a half-written one as "latest"; a
+run resumes only with the data order its state was written with."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ import shutil
 from pathlib import Path
 
 import torch
+import yaml
 from accelerate import Accelerator
 from torch import nn
 
 from heads.files import write_json
 from heads.io import build_head, save_heads
+from train.config import flatten, to_dict
 
 STATE_DIR = "state"
 EXPORT_DIR = "head"
@@ -65,6 +68,60 @@ def load_state(accelerator: Accelerator, state: Path) -> int:
 def saved_processes(state: Path) -> int | None:
     """How many processes wrote a resume state (None for states written before this was recorded)."""
     return json.loads((state / PROGRESS_FILE).read_text()).get("num_processes")
+
+
+# Settings that fix which examples each step sees: a resumed run that changes them would skip or repeat data.
+DATA_ORDER_KEYS = (
+    "data.train_files",
+    "data.eval_files",
+    "data.max_length",
+    "data.eval_fraction",
+    "data.shuffle_seed",
+    "train.per_device_batch_size",
+    "train.gradient_accumulation_steps",
+    "train.seed",
+)
+
+
+# Settings of the learning-rate schedule: changing them on resume (e.g. more max_steps) re-stretches it.
+SCHEDULE_KEYS = (
+    "train.max_steps",
+    "train.num_epochs",
+    "train.learning_rate",
+    "train.warmup_ratio",
+    "train.lr_scheduler",
+)
+
+
+def check_resume_settings(accelerator: Accelerator, cfg, output_dir: Path, state: Path) -> None:
+    """Refuse to resume `state` with another data order (files, split, batch size, processes, seed); warn
+    when the schedule changes. The state's settings are the run folder's config.yaml and the process count
+    its progress file records (states written before it was recorded are not checked for it)."""
+    saved_file = output_dir / "config.yaml"
+    if not saved_file.is_file():
+        return
+    saved, now = flatten(yaml.safe_load(saved_file.read_text()) or {}), flatten(to_dict(cfg))
+    changes = {
+        key: (saved.get(key), now.get(key))
+        for key in (*DATA_ORDER_KEYS, *SCHEDULE_KEYS)
+        if key in saved and saved.get(key) != now.get(key)
+    }
+    processes = saved_processes(state)
+    if processes is not None and processes != accelerator.num_processes:
+        changes["processes"] = (processes, accelerator.num_processes)
+    order = {k: v for k, v in changes.items() if k not in SCHEDULE_KEYS}
+    if order:
+        listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in order.items())
+        raise ValueError(
+            f"{output_dir}: cannot resume {state.name} with another data order ({listed}); "
+            f"rerun with the saved settings ({saved_file}) or use a new train.output_dir"
+        )
+    if changes:
+        listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changes.items())
+        accelerator.print(
+            f"WARNING: resuming {state.name} with another schedule ({listed}): the learning rate "
+            f"follows the new schedule from step {state.name.split('-')[1]} on"
+        )
 
 
 def gather_head(accelerator: Accelerator, wrapper: nn.Module, attr: str = "head") -> nn.Module | None:

@@ -29,7 +29,8 @@ ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
 HIDDEN_STATES = ("online", "offline")
 LR_SCHEDULERS = ("cosine", "linear", "constant")
 REPORT_TO = ("none", "wandb", "tensorboard")
-MIXED_PRECISIONS = ("no", "bf16", "fp16")
+HALF_PRECISIONS = {"bf16": "bfloat16", "fp16": "float16"}  # train.mixed_precision -> its model.dtype
+MIXED_PRECISIONS = ("no", *HALF_PRECISIONS)
 
 
 class ConfigError(ValueError):
@@ -111,10 +112,8 @@ class TrainConfig:
     eval_every_steps: int = 500  # optimizer steps between eval-loss passes; 0 = only at the end
     log_every_steps: int = 10  # optimizer steps between tracker logs (loss, lr, grad norm, per-head acc)
     report_to: str = "none"  # tracker for accelerator.log; "none" = console only (no network needed)
-    mixed_precision: str = (
-        "no"  # compute under accelerate's autocast (weights stay fp32); "no" on CPU, "bf16"
-    )
-    # on recent GPUs (bf16 also runs on CPU); "fp16" needs CUDA (grad scaler)
+    mixed_precision: str = "no"  # compute under accelerate's autocast (weights stay fp32); "no" on CPU,
+    # "bf16" on recent GPUs (bf16 also runs on CPU); "fp16" needs CUDA (grad scaler)
     gradient_checkpointing: bool = False  # Medusa-2: recompute the LoRA-adapted target's activations in
     # backward (less memory, ~30% more compute); frozen passes keep none
     eval_tau_prompts: int = 0  # held-out prompts of the periodic simulated-tau eval; 0 = off
@@ -207,7 +206,7 @@ class MedusaTrainConfig:
 def _check_precision(model: ModelConfig, train: TrainConfig) -> None:
     """A target stored in half precision needs the matching autocast: the fp32 head's activations meet the
     target's frozen embedding and lm_head, which only autocast reconciles."""
-    needed = {"bfloat16": "bf16", "float16": "fp16"}.get(model.dtype)
+    needed = {dtype: precision for precision, dtype in HALF_PRECISIONS.items()}.get(model.dtype)
     if needed is not None and train.mixed_precision != needed:
         raise ValueError(
             f"model.dtype={model.dtype} needs train.mixed_precision={needed}, got "
@@ -375,6 +374,18 @@ def to_dict(cfg: Any) -> dict:
         return [plain(v) for v in value] if isinstance(value, (list, tuple)) else value
 
     return plain(dataclasses.asdict(cfg))
+
+
+def flatten(tree: dict, prefix: str = "") -> dict:
+    """{"train": {"seed": 0}} -> {"train.seed": 0}: the dotted keys of the overrides; lists and None become
+    strings (trackers take flat scalar hyperparameters; tensorboard rejects lists)."""
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value if isinstance(value, (int, float, str, bool)) else str(value)
+    return flat
 
 
 def save_config(cfg: Any, path: str | Path) -> None:

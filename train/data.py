@@ -296,6 +296,23 @@ def collate(rows: Sequence[dict], pad_token_id: int) -> dict[str, Tensor]:
     return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
 
 
+def pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The id to pad batches with: the tokenizer's pad token, else its end-of-sequence token (many chat
+    tokenizers have no pad token; padding is masked out, so any id serves).
+
+    Raises:
+        ValueError: the tokenizer has neither.
+    """
+    if tokenizer.pad_token_id is not None:
+        return tokenizer.pad_token_id
+    if tokenizer.eos_token_id is not None:
+        return tokenizer.eos_token_id
+    raise ValueError(
+        f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has neither a pad nor an end-of-sequence "
+        "token to pad batches with"
+    )
+
+
 def token_frequencies(dataset: Dataset, vocab_size: int) -> Tensor:
     """(V,) int64 count of each target token under the loss mask (the tokens the draft must predict).
 

@@ -18,30 +18,16 @@ from pathlib import Path
 import torch
 from accelerate.utils import set_seed
 from torch import Tensor, nn
-from tqdm.auto import tqdm
 
 from heads import EagleConfig, EagleHead, FeatureCapture
 from heads.io import load_heads
-from train.checkpoint import export_head, gather_head, save_state
-from train.common import (
-    StepLogger,
-    backward_and_clip,
-    check_deepspeed_precision,
-    check_finite,
-    epoch_loader,
-    eval_loss,
-    load_datasets,
-    load_frozen_target,
-    make_accelerator,
-    make_optimizer,
-    shard_fsdp2_units,
-    simulated_tau,
-    start_or_resume,
-    steps_per_epoch,
-    total_steps,
-)
+from train.checkpoint import export_head, gather_head
 from train.config import EagleRunConfig, EagleTrainConfig, load_config, to_dict
-from train.data import draft_vocab_from_frequencies, token_frequencies
+from train.data import draft_vocab_from_frequencies, pad_token_id, token_frequencies
+from train.distributed import check_deepspeed_precision, make_accelerator, shard_fsdp2_units
+from train.evaluate import simulated_tau
+from train.loader import load_datasets, load_frozen_target
+from train.loop import prepare_run, train_loop
 from train.losses import eagle1_loss, eagle3_ttt_loss
 from train.offline import offline_rows
 
@@ -164,7 +150,6 @@ def main(cfg: EagleRunConfig) -> None:
     accelerator = make_accelerator(cfg.train)
     check_deepspeed_precision(accelerator, cfg.model)
     set_seed(cfg.train.seed)
-    out = Path(cfg.train.output_dir)
     accelerator.print(
         f"EAGLE recipe: {cfg.eagle.head_type} on {cfg.model.target}, {accelerator.num_processes} "
         f"process(es), {accelerator.distributed_type}"
@@ -172,7 +157,7 @@ def main(cfg: EagleRunConfig) -> None:
 
     # 1. frozen target (replicated on every rank, never sharded) + trainable fp32 head
     target, tokenizer = load_frozen_target(cfg.model, accelerator)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad_id = pad_token_id(tokenizer)
 
     # 2. data
     train_set, eval_set = load_datasets(cfg.data, tokenizer, accelerator)
@@ -181,106 +166,65 @@ def main(cfg: EagleRunConfig) -> None:
     # FSDP2: the shard units accelerate's own wrapping gets wrong, made before AdamW sees the parameters
     shard_fsdp2_units(accelerator, step_module, called_by_method=(head,))
 
-    # 3. optimizer and schedule (in optimizer steps)
-    per_epoch = steps_per_epoch(train_set, cfg.train, accelerator.num_processes)
-    num_steps = total_steps(cfg.train, per_epoch)
-    optimizer, scheduler = make_optimizer(head.parameters(), cfg.train, num_steps)
+    # 3. optimizer and schedule (in optimizer steps), wrapped for the distributed setting; start or resume
+    run = prepare_run(accelerator, cfg, step_module, head.parameters(), train_set)
 
-    # 4. wrap for the distributed setting; the scheduler is stepped by hand once per optimizer step
-    step_module, optimizer = accelerator.prepare(step_module, optimizer)
-    accelerator.register_for_checkpointing(scheduler)
-    step = start_or_resume(accelerator, cfg, out, num_steps)
-
-    # 5. loop; hidden states come from the target online, or from a dump (scripts/dump_hidden_states.py)
+    # 4. hidden states come from the target online, or from a dump (scripts/dump_hidden_states.py)
     draft_rows = draft_vocab_rows(head, target)  # EAGLE-3: the target's logits over the draft vocab only
+    softcap = getattr(target.config.get_text_config(), "final_logit_softcapping", None)
     rows, collate_fn = offline_rows(
-        cfg.data,
-        train_set,
-        pad_id,
-        head.feature_layers,
-        logits_head(target, draft_rows),
-        softcap=getattr(target.config.get_text_config(), "final_logit_softcapping", None),
+        cfg.data, train_set, pad_id, head.feature_layers, logits_head(target, draft_rows), softcap=softcap
     )
     capture = FeatureCapture(target, head.feature_layers).__enter__()
-    export_kwargs = {"base_model": cfg.model.target, "base_revision": cfg.model.revision, "target": target}
-    progress = tqdm(total=num_steps, initial=step, disable=not accelerator.is_main_process, desc="train")
-    logger = StepLogger(accelerator, progress, cfg.train.log_every_steps)
-    while step < num_steps:
-        epoch, done = divmod(step, per_epoch)
-        loader = epoch_loader(
-            rows,
-            cfg.train,
-            cfg.data,
-            epoch,
-            pad_id,
-            accelerator,
-            skip_batches=done * cfg.train.gradient_accumulation_steps,
-            collate_fn=collate_fn,
+
+    def online_loss(batch: dict) -> tuple[Tensor, dict[str, Tensor]]:
+        with accelerator.autocast():  # the target computes in the run's precision too
+            features, logits = target_pass(target, capture, batch, draft_rows)
+        return run.module(features, batch["input_ids"], logits, batch["loss_mask"])
+
+    def loss(batch: dict, step: int) -> tuple[Tensor, dict[str, Tensor]]:
+        if collate_fn is None:
+            return online_loss(batch)
+        return run.module(batch["features"], batch["input_ids"], batch["logits"], batch["loss_mask"])
+
+    def eval_tau() -> float | None:
+        """On the main process, with a whole copy of the head gathered from every rank (ZeRO-3, FSDP2)."""
+        whole = gather_head(accelerator, run.module)  # collective; None off the main process
+        if whole is None:
+            return None
+        capture.__exit__(None, None, None)  # generate installs its own capture
+        tau = simulated_tau(
+            target, whole, eval_set, cfg.train.eval_tau_prompts, cfg.train.eval_tau_new_tokens
         )
-        for batch in loader:
-            with accelerator.accumulate(step_module):
-                if collate_fn is None:
-                    with accelerator.autocast():  # the target computes in the run's precision too
-                        features, logits = target_pass(target, capture, batch, draft_rows)
-                else:
-                    features, logits = batch["features"], batch["logits"]
-                loss, metrics = step_module(features, batch["input_ids"], logits, batch["loss_mask"])
-                check_finite(accelerator, loss, step, out)
-                grad_norm = backward_and_clip(accelerator, loss, step_module, cfg.train.max_grad_norm)
-                optimizer.step()
-                optimizer.zero_grad()
-            logger.count(batch)
-            if not accelerator.sync_gradients:
-                continue
-            scheduler.step()
-            step += 1
-            logger.step(step, step == num_steps, loss, scheduler.get_last_lr()[0], grad_norm, metrics)
-            if (cfg.train.eval_every_steps and step % cfg.train.eval_every_steps == 0) or step == num_steps:
-                evaluate(accelerator, step_module, target, capture, eval_set, cfg, pad_id, step)
-            if cfg.train.save_every_steps and step % cfg.train.save_every_steps == 0 and step < num_steps:
-                save_state(accelerator, out, step, cfg.train.keep_checkpoints)
-                export_head(accelerator, step_module, out, **export_kwargs, extra={"train_step": step})
-            if step >= num_steps or step % per_epoch == 0:
-                break
-    progress.close()
-    save_state(accelerator, out, step, cfg.train.keep_checkpoints)
-    path = export_head(
-        accelerator, step_module, out, **export_kwargs, extra={"train_step": step, "training": to_dict(cfg)}
+        capture.__enter__()
+        return tau
+
+    def export(step: int) -> Path:
+        extra = {"train_step": step, "training": to_dict(cfg)}
+        return export_head(
+            accelerator,
+            run.module,
+            run.output_dir,
+            base_model=cfg.model.target,
+            base_revision=cfg.model.revision,
+            target=target,
+            extra=extra,
+        )
+
+    # 5. loop: every N steps evaluate (every rank) and write a resume state and an export; the final export
+    train_loop(
+        run,
+        rows,
+        eval_set,
+        pad_id,
+        loss=loss,
+        eval_loss=lambda batch: online_loss(batch)[0],  # the held-out rows are tokens: run the target
+        eval_tau=eval_tau,
+        export=export,
+        collate_fn=collate_fn,
     )
     capture.__exit__(None, None, None)
-    accelerator.print(f"exported {path}")
     accelerator.end_training()
-
-
-def evaluate(
-    accelerator, step_module, target, capture, eval_set, cfg: EagleRunConfig, pad_id: int, step: int
-):
-    """Held-out loss on every rank; simulated tau (a real greedy generate) on the main process, with a whole
-    copy of the head gathered from every rank (the head may be sharded: ZeRO-3, FSDP2)."""
-    head = accelerator.unwrap_model(step_module).head
-    draft_rows = draft_vocab_rows(head, target)
-
-    def loss_of(batch: dict) -> Tensor:
-        with accelerator.autocast():
-            features, logits = target_pass(target, capture, batch, draft_rows)
-        return step_module(features, batch["input_ids"], logits, batch["loss_mask"])[0]
-
-    step_module.eval()  # no feature noise
-    logs = {"eval_loss": eval_loss(accelerator, eval_set, cfg, pad_id, loss_of)}
-    step_module.train()
-    if eval_set is not None and cfg.train.eval_tau_prompts > 0:
-        whole = gather_head(accelerator, step_module)  # collective; None off the main process
-        if whole is not None:
-            capture.__exit__(None, None, None)  # generate installs its own capture
-            logs["eval_tau"] = simulated_tau(
-                target, whole, eval_set, cfg.train.eval_tau_prompts, cfg.train.eval_tau_new_tokens
-            )
-            capture.__enter__()
-    logs = {k: v for k, v in logs.items() if v is not None}
-    if logs:
-        accelerator.print(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in logs.items()))
-        accelerator.log(logs, step=step)
-    accelerator.wait_for_everyone()
 
 
 if __name__ == "__main__":

@@ -22,31 +22,22 @@ import torch
 import torch.nn.functional as F
 from accelerate.utils import set_seed
 from torch import Tensor, nn
-from tqdm.auto import tqdm
 
 from heads import MedusaConfig, MedusaHeads, load_heads
-from train.checkpoint import export_head, head_from_state, save_state
-from train.common import (
-    StepLogger,
-    backward_and_clip,
+from train.checkpoint import export_head, head_from_state
+from train.config import MedusaRunConfig, MedusaTrainConfig, load_config, to_dict
+from train.data import pad_token_id
+from train.distributed import (
     check_deepspeed_precision,
-    check_finite,
-    epoch_loader,
-    eval_loss,
-    load_datasets,
-    load_frozen_target,
     make_accelerator,
-    make_optimizer,
     shard_fsdp2_units,
     shards_trained_weights,
-    simulated_tau,
-    start_or_resume,
-    steps_per_epoch,
-    total_steps,
     whole_on_every_rank,
     whole_parameters,
 )
-from train.config import MedusaRunConfig, MedusaTrainConfig, load_config, to_dict
+from train.evaluate import simulated_tau
+from train.loader import load_datasets, load_frozen_target
+from train.loop import prepare_run, train_loop
 from train.losses import masked_mean, medusa_loss_from_hidden
 from train.offline import offline_rows
 
@@ -168,8 +159,8 @@ def main(cfg: MedusaRunConfig) -> None:
     accelerator = make_accelerator(cfg.train)
     check_deepspeed_precision(accelerator, cfg.model)
     set_seed(cfg.train.seed)
-    out = Path(cfg.train.output_dir)
-    mode = f"Medusa-2 (LoRA r={cfg.medusa.lora_r})" if cfg.medusa.lora_r > 0 else "Medusa-1"
+    joint = cfg.medusa.lora_r > 0
+    mode = f"Medusa-2 (LoRA r={cfg.medusa.lora_r})" if joint else "Medusa-1"
     accelerator.print(
         f"Medusa recipe: {mode}, {cfg.medusa.num_heads} heads on {cfg.model.target}, "
         f"{accelerator.num_processes} process(es), {accelerator.distributed_type}"
@@ -177,7 +168,7 @@ def main(cfg: MedusaRunConfig) -> None:
 
     # 1. target (frozen, or LoRA for Medusa-2) + trainable heads, projections initialised from its lm_head
     target, tokenizer = frozen_or_lora_target(cfg, accelerator)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad_id = pad_token_id(tokenizer)
     heads = new_heads(cfg.medusa, target)
     heads.to(dtype=torch.float32, device=accelerator.device)  # fp32 whatever the target: AdamW master weights
     step_module = MedusaStep(heads, target, cfg.medusa)
@@ -189,91 +180,74 @@ def main(cfg: MedusaRunConfig) -> None:
     # 2. data
     train_set, eval_set = load_datasets(cfg.data, tokenizer, accelerator)
 
-    # 3. optimizer: heads at lr x head_lr_multiplier (Medusa-2) or lr (Medusa-1); LoRA idle in stage 1
-    per_epoch = steps_per_epoch(train_set, cfg.train, accelerator.num_processes)
-    num_steps = total_steps(cfg.train, per_epoch)
+    # 3. optimizer: heads at lr x head_lr_multiplier (Medusa-2) or lr (Medusa-1); LoRA idle in stage 1.
+    # Wrapped for the distributed setting; start or resume
     groups = [{"params": list(heads.parameters())}]
-    if cfg.medusa.lora_r > 0:
+    if joint:
         groups[0]["lr"] = cfg.train.learning_rate * cfg.medusa.head_lr_multiplier
         groups.append({"params": [p for p in target.parameters() if p.requires_grad]})
-    optimizer, scheduler = make_optimizer(groups, cfg.train, num_steps)
+    run = prepare_run(accelerator, cfg, step_module, groups, train_set)
 
-    # 4. wrap; the scheduler is stepped by hand once per optimizer step
-    step_module, optimizer = accelerator.prepare(step_module, optimizer)
-    accelerator.register_for_checkpointing(scheduler)
-    step = start_or_resume(accelerator, cfg, out, num_steps)
-
-    # 5. loop; final states from the target online, or from a dump (scripts/dump_hidden_states.py, Medusa-1)
+    # 4. final states from the target online, or from a dump (scripts/dump_hidden_states.py, Medusa-1)
     rows, collate_fn = offline_rows(cfg.data, train_set, pad_id, None, None)
     eval_copy = {}  # Medusa-2 under ZeRO-3 / FSDP2: the main process's own adapted target for simulated tau
-    export_kwargs = {"base_model": cfg.model.target, "base_revision": cfg.model.revision, "target": target}
-    progress = tqdm(total=num_steps, initial=step, disable=not accelerator.is_main_process, desc="train")
-    logger = StepLogger(accelerator, progress, cfg.train.log_every_steps)
-    while step < num_steps:
-        epoch, done = divmod(step, per_epoch)
-        loader = epoch_loader(
-            rows,
-            cfg.train,
-            cfg.data,
-            epoch,
-            pad_id,
-            accelerator,
-            skip_batches=done * cfg.train.gradient_accumulation_steps,
-            collate_fn=collate_fn,
+
+    def loss(batch: dict, step: int) -> tuple[Tensor, dict[str, Tensor]]:
+        heads_only = step < cfg.medusa.heads_only_steps
+        if joint:  # heads-only stage: no weight decay may move the idle LoRA weights (DeepSpeed keeps copies)
+            run.optimizer.param_groups[1]["weight_decay"] = 0.0 if heads_only else cfg.train.weight_decay
+        ids, mask, loss_mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
+        return run.module(
+            ids, mask, loss_mask, lm_weight=0.0 if heads_only else 1.0, hidden=batch.get("last")
         )
-        for batch in loader:
-            stage_one = step < cfg.medusa.heads_only_steps
-            with accelerator.accumulate(step_module):
-                loss, metrics = step_module(
-                    batch["input_ids"],
-                    batch["attention_mask"],
-                    batch["loss_mask"],
-                    lm_weight=0.0 if stage_one else 1.0,
-                    hidden=batch.get("last"),
-                )
-                check_finite(accelerator, loss, step, out)
-                # heads-only stage: the LoRA gradients are exact zeros (MedusaStep); dropped, Adam skips them,
-                # and under DeepSpeed (which keeps its own copies) no weight decay may move them either.
-                # DeepSpeed's Adam still counts these steps for LoRA (bias correction differs later;
-                # docs/gpu.md)
-                lora_idle = stage_one and len(optimizer.param_groups) > 1
-                idle = optimizer.param_groups[1]["params"] if lora_idle else None
-                if len(optimizer.param_groups) > 1:
-                    optimizer.param_groups[1]["weight_decay"] = 0.0 if lora_idle else cfg.train.weight_decay
-                grad_norm = backward_and_clip(accelerator, loss, step_module, cfg.train.max_grad_norm, idle)
-                optimizer.step()
-                optimizer.zero_grad()
-            logger.count(batch)
-            if not accelerator.sync_gradients:
-                continue
-            scheduler.step()
-            step += 1
-            logger.step(step, step == num_steps, loss, scheduler.get_last_lr()[0], grad_norm, metrics)
-            if (cfg.train.eval_every_steps and step % cfg.train.eval_every_steps == 0) or step == num_steps:
-                evaluate(accelerator, step_module, eval_set, cfg, pad_id, step, eval_copy)
-            if cfg.train.save_every_steps and step % cfg.train.save_every_steps == 0 and step < num_steps:
-                save_state(accelerator, out, step, cfg.train.keep_checkpoints)
-                export(accelerator, step_module, out, cfg, step, export_kwargs)
-            if step >= num_steps or step % per_epoch == 0:
-                break
-    progress.close()
-    save_state(accelerator, out, step, cfg.train.keep_checkpoints)
-    path = export(accelerator, step_module, out, cfg, step, export_kwargs)
-    accelerator.print(f"exported {path}")
+
+    def idle_lora(step: int) -> list[nn.Parameter] | None:
+        """Heads-only stage: the LoRA gradients are exact zeros (MedusaStep); dropped, Adam skips them.
+        DeepSpeed's Adam still counts these steps for LoRA (bias correction differs later; docs/gpu.md)."""
+        if joint and step < cfg.medusa.heads_only_steps:
+            return run.optimizer.param_groups[1]["params"]
+        return None
+
+    def held_out_loss(batch: dict) -> Tensor:  # the whole loss (LM + heads for Medusa-2), stage aside
+        return run.module(batch["input_ids"], batch["attention_mask"], batch["loss_mask"])[0]
+
+    # 5. loop: every N steps evaluate (every rank) and write a resume state and an export; the final export
+    train_loop(
+        run,
+        rows,
+        eval_set,
+        pad_id,
+        loss=loss,
+        eval_loss=held_out_loss,
+        eval_tau=lambda: eval_tau(accelerator, run.module, eval_set, cfg, eval_copy),
+        export=lambda step: export(accelerator, run.module, run.output_dir, cfg, step, target),
+        collate_fn=collate_fn,
+        idle_params=idle_lora,
+    )
     accelerator.end_training()
 
 
-def export(accelerator, step_module, out: Path, cfg: MedusaRunConfig, step: int, export_kwargs: dict) -> Path:
+def export(accelerator, step_module, out: Path, cfg: MedusaRunConfig, step: int, target: nn.Module) -> Path:
     """Head export, plus the LoRA adapter (safetensors) for Medusa-2, both from weights gathered from every
     rank (collective), so a sharded run (ZeRO-3, FSDP2) saves whole tensors."""
     extra = {"train_step": step, "training": to_dict(cfg)}
     if cfg.medusa.lora_r > 0:
         extra["lora_adapter"] = "../lora (merge into the target before decoding: the heads expect it)"
     state = accelerator.get_state_dict(step_module)  # collective under ZeRO-3 and FSDP2
-    path = export_head(accelerator, step_module, out, attr="heads", state=state, **export_kwargs, extra=extra)
+    path = export_head(
+        accelerator,
+        step_module,
+        out,
+        attr="heads",
+        state=state,
+        base_model=cfg.model.target,
+        base_revision=cfg.model.revision,
+        target=target,
+        extra=extra,
+    )
     if cfg.medusa.lora_r > 0 and accelerator.is_main_process:
-        target = accelerator.unwrap_model(step_module).target
-        target.save_pretrained(out / "lora", safe_serialization=True, state_dict=_prefixed(state, "target."))
+        adapted = accelerator.unwrap_model(step_module).target
+        adapted.save_pretrained(out / "lora", safe_serialization=True, state_dict=_prefixed(state, "target."))
     accelerator.wait_for_everyone()
     return path
 
@@ -283,46 +257,31 @@ def _prefixed(state: dict, prefix: str) -> dict:
     return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
 
 
-@torch.no_grad()
-def evaluate(
-    accelerator, step_module, eval_set, cfg: MedusaRunConfig, pad_id: int, step: int, eval_copy: dict
-) -> None:
-    """Held-out loss on every rank (Medusa-2: LM + head loss, on its adapted target); simulated tau of greedy
-    decoding on the main process, with the heads gathered from every rank and, for Medusa-2, its
-    LoRA-adapted target (its own copy when ZeRO-3 or FSDP2 shard the run's)."""
-
-    def loss_of(batch: dict) -> Tensor:
-        return step_module(batch["input_ids"], batch["attention_mask"], batch["loss_mask"])[0]
-
-    step_module.eval()  # no LoRA dropout
-    logs = {"eval_loss": eval_loss(accelerator, eval_set, cfg, pad_id, loss_of)}
-    step_module.train()
-    if eval_set is not None and cfg.train.eval_tau_prompts > 0:
-        joint, sharded = cfg.medusa.lora_r > 0, shards_trained_weights(accelerator)
-        state = accelerator.get_state_dict(step_module)  # collective under ZeRO-3 and FSDP2
-        heads = head_from_state(accelerator, step_module, state, "heads")  # None off the main process
-        if heads is not None:
-            module = accelerator.unwrap_model(step_module)
-            if not joint:
-                target = module.base
-            elif not sharded:
-                target = module.target.get_base_model()  # LoRA layers active: the adapted target
-            else:
-                target = _adapted_copy(cfg, accelerator, eval_copy, _prefixed(state, "target."))
-            was_training = target.training
-            target.eval()
-            # The main process's own copy under ZeRO-3: outside it, peft and transformers would treat it as
-            # partitioned and start collectives that the other ranks never join
-            with whole_on_every_rank(accelerator) if sharded else contextlib.nullcontext():
-                logs["eval_tau"] = simulated_tau(
-                    target, heads, eval_set, cfg.train.eval_tau_prompts, cfg.train.eval_tau_new_tokens
-                )
-            target.train(was_training)
-    logs = {k: v for k, v in logs.items() if v is not None}
-    if logs:
-        accelerator.print(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in logs.items()))
-        accelerator.log(logs, step=step)
-    accelerator.wait_for_everyone()
+def eval_tau(accelerator, step_module, eval_set, cfg: MedusaRunConfig, eval_copy: dict) -> float | None:
+    """Simulated tau of greedy decoding on the main process, with the heads gathered from every rank and, for
+    Medusa-2, its LoRA-adapted target (its own copy when ZeRO-3 or FSDP2 shard the run's); collective."""
+    joint, sharded = cfg.medusa.lora_r > 0, shards_trained_weights(accelerator)
+    state = accelerator.get_state_dict(step_module)  # collective under ZeRO-3 and FSDP2
+    heads = head_from_state(accelerator, step_module, state, "heads")  # None off the main process
+    if heads is None:
+        return None
+    module = accelerator.unwrap_model(step_module)
+    if not joint:
+        target = module.base
+    elif not sharded:
+        target = module.target.get_base_model()  # LoRA layers active: the adapted target
+    else:
+        target = _adapted_copy(cfg, accelerator, eval_copy, _prefixed(state, "target."))
+    was_training = target.training
+    target.eval()
+    # The main process's own copy under ZeRO-3: outside it, peft and transformers would treat it as
+    # partitioned and start collectives that the other ranks never join
+    with whole_on_every_rank(accelerator) if sharded else contextlib.nullcontext():
+        tau = simulated_tau(
+            target, heads, eval_set, cfg.train.eval_tau_prompts, cfg.train.eval_tau_new_tokens
+        )
+    target.train(was_training)
+    return tau
 
 
 def _adapted_copy(cfg: MedusaRunConfig, accelerator, eval_copy: dict, state: dict) -> nn.Module:

@@ -18,9 +18,13 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from heads.eagle import EagleConfig
 from heads.features import LAST, FeatureCapture
 from heads.files import atomic_write, write_json
+from train.config import TORCH_DTYPES, EagleRunConfig
 from train.data import collate
+from train.distributed import make_accelerator
+from train.loader import load_datasets, load_frozen_target
 
 INDEX_FILE = "index.json"
 RESUME_KEYS = ("examples", "shard_size", "layer_ids", "hidden_size", "dtype", "target_digest")  # not the path
@@ -142,6 +146,41 @@ def dump_hidden_states(
     if rank == 0:
         _write_index(out, {**index, "complete": True})
     _barrier(accelerator)
+    return out
+
+
+def dump_for_run(cfg: EagleRunConfig, batch_size: int = 8, shard_size: int = 32) -> Path:
+    """The offline hidden states of an EAGLE run's training data, written into `cfg.data.offline_dir` by every
+    process of the launch (`dump_hidden_states`), in the run's `model.dtype`, with the taps its head reads.
+
+    Args:
+        cfg: the run's EagleRunConfig (model, data, eagle sections; `data.offline_dir` set).
+        batch_size: examples per target forward.
+        shard_size: examples per shard file (part of the layout: a resume must use the same).
+    Returns:
+        The dump folder.
+    Raises:
+        ValueError: `data.offline_dir` is not set (before any model loads).
+    """
+    if not cfg.data.offline_dir:
+        raise ValueError("set data.offline_dir=<folder> (where the states go)")
+    accelerator = make_accelerator(cfg.train)
+    target, tokenizer = load_frozen_target(cfg.model, accelerator)  # whole on every process, at its revision
+    train_set, _ = load_datasets(cfg.data, tokenizer, accelerator)
+    overrides = {"aux_layer_ids": tuple(cfg.eagle.aux_layer_ids)} if cfg.eagle.aux_layer_ids else {}
+    head_config = EagleConfig.from_target(target.config, cfg.eagle.head_type, **overrides)
+    layers = (LAST,) if head_config.head_type == "eagle1" else tuple(head_config.aux_layer_ids)
+    out = dump_hidden_states(
+        target,
+        train_set,
+        layers,
+        cfg.data.offline_dir,
+        shard_size=shard_size,
+        dtype=TORCH_DTYPES[cfg.model.dtype],
+        batch_size=batch_size,
+        accelerator=accelerator,
+    )
+    accelerator.end_training()
     return out
 
 

@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from heads.files import write_jsonl
-from train.data import BadRow, _render, read_rows, to_messages
+from train.data import BadRow, _render, pad_token_id, read_rows, to_messages
 
 
 @torch.no_grad()
@@ -94,6 +94,24 @@ def batched_generate(
     return [(reply, stop_flag) for reply, stop_flag in zip(replies, stopped)]
 
 
+def read_prompts(path: str | Path, start: int = 0, limit: int | None = None) -> list[dict]:
+    """Rows `start` to `limit` - 1 of a JSON/JSONL chat file, each with the id "<file name>:<line>".
+
+    Raises:
+        BadRow: a line that is not a JSON object (naming the file and line).
+        ValueError: no rows in the range.
+    """
+    path, rows = Path(path), []
+    for number, row in read_rows(path):
+        if isinstance(row, Exception):
+            raise BadRow(f"{path}:{number}: {row}") from row
+        rows.append({"id": f"{path.name}:{number}", **row})
+    chosen = rows[start:limit]
+    if not chosen:
+        raise ValueError(f"{path}: no prompts in [{start}, {limit}) of {len(rows)} rows")
+    return chosen
+
+
 def _prompt(row: dict) -> list[dict]:
     """A prompt row's messages through its last user turn (a trailing reply is dropped)."""
     messages = to_messages(row, require_assistant=False)
@@ -167,7 +185,7 @@ def regenerate(
     next_shard = max((int(p.stem.removeprefix("shard-")) for p in out.glob("shard-*.jsonl")), default=-1) + 1
     eos = model.generation_config.eos_token_id
     stop_ids = set(eos if isinstance(eos, list) else [tokenizer.eos_token_id if eos is None else eos])
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stop_ids)
+    pad_id = pad_token_id(tokenizer)
     generator = torch.Generator(device=model.device).manual_seed(seed)
     decoding = {"skip_special_tokens": True, "clean_up_tokenization_spaces": False}  # the text as generated
     padding_side, tokenizer.padding_side = tokenizer.padding_side, "left"  # decoder-only: pad on the left

@@ -1,5 +1,5 @@
 """Tests for decode/accept.py with stub logits: greedy acceptance, the target distribution, rejection
-sampling."""
+sampling, typical acceptance."""
 
 import math
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from decode.accept import accept_greedy, accept_sampling, target_probs
+from decode.accept import accept_greedy, accept_sampling, accept_typical, target_probs
 from decode.tree import DraftTree
 
 V = 16
@@ -166,3 +166,22 @@ def test_sampling_accept_rate_matches_min_one_p_over_q():
     accepted = sum(path == [0, 1] for path, _ in outcomes)
     assert 400 < accepted < 600  # 0.25 * 2000 = 500, 5 sigma ~ 97
     assert all(bonus == 1 for path, bonus in outcomes if path == [0])  # residual (0, 0.6) -> token 1 only
+
+
+@pytest.mark.parametrize(
+    "top_p, top_k, path, bonus",
+    [
+        (1.0, 0, [0, 1], 9),  # no filter: the child's p (0.24) is above the threshold (<= 0.09): typical
+        (1.0, 1, [0], 3),  # top-k 1 keeps token 3 only: the child is not typical, and 3 is the bonus
+        (0.2, 0, [0], 3),  # top-p 0.2: token 3 alone (p 0.30) reaches it
+        (1.0, 2, [0, 1], 9),  # top-k 2 keeps tokens 3 and 5: the child stays typical
+    ],
+)
+def test_typical_acceptance_applies_top_p_and_top_k(top_p, top_k, path, bonus):
+    logits = torch.zeros(2, V)
+    logits[0, 3], logits[0, 5] = 2.2, 2.0  # after the root: token 3 first, the drafted token 5 second
+    logits[1, 9] = 100.0  # after the child: token 9, certainly
+    tree = _tree([1, 5], [-1, 0])
+    for seed in range(10):
+        result = accept_typical(tree, logits, 1.0, top_p, top_k, torch.Generator().manual_seed(seed))
+        assert _lists(result) == (path, bonus)

@@ -1,7 +1,6 @@
-"""decode/fused.py and the EAGLE drafter around it: the fused draft step computes what `EagleHead.forward`
-computes (fp32, pretransposed, packed and int8 layers; causal and tree masks; the cache it leaves), is
-rebuilt when the head changes, and the drafter's tree masks and batched draws give the proposals the module
-path gives."""
+"""decode/fused.py: the fused draft step computes what `EagleHead.forward` computes (fp32, pretransposed,
+packed and int8 layers; causal and tree masks; the cache it leaves), is rebuilt when the head changes, and the
+EAGLE drafter proposes and decodes the same with it as with the module path."""
 
 import copy
 
@@ -10,8 +9,9 @@ import torch
 
 from decode import generate
 from decode.fused import FusedEagleStep, fused_step
-from decode.layout import can_int8, can_pack, pack_linears, pretranspose_linears, quantize_draft
-from decode.propose import EagleDrafter, draw_children, propose
+from decode.layout import can_int8, can_pack, pack_linears, pretranspose_linears
+from decode.prepare import quantize_draft
+from decode.propose import EagleDrafter, propose
 from decode.tree import DynamicTree
 from heads.eagle import DraftCache, EagleConfig, EagleHead, additive_mask
 
@@ -106,33 +106,6 @@ def test_fused_step_refuses_what_it_cannot_stack(build_target):
         FusedEagleStep(head)
 
 
-def test_drafter_tree_mask_lets_each_node_see_its_ancestors_only(build_target):
-    target = build_target("llama")
-    drafter = EagleDrafter(_head(target, "eagle3"), target)
-    drafter.advance(torch.randn(4, 3 * 32), torch.randint(0, 128, (4,)))
-    seen = []
-    real = drafter.step
-
-    def spy(*args, attention_mask):
-        seen.append((attention_mask[0, 0] == 0)[:, drafter.committed :].int().tolist())
-        return real(*args, attention_mask=attention_mask)
-
-    drafter.step = spy
-    # root -> 1, 2; 1 -> 3; 2 -> 4, 5; 4 -> 6. Slots follow expansion order: 1, 2 | 3, 4 | 6 (5 is a leaf)
-    drafter.expand([1, 2], torch.tensor([5, 6]), [0, 0], depth=1)
-    drafter.expand([3, 4], torch.tensor([7, 8]), [1, 2], depth=2)
-    drafter.expand([6], torch.tensor([9]), [4], depth=3)
-    assert seen == [[[1, 0], [0, 1]],
-                    [[1, 0, 1, 0], [0, 1, 0, 1]],
-                    [[0, 1, 0, 1, 1]]]  # fmt: skip
-    assert len(drafter.cache) == 4 + 5
-    drafter.end_proposal()  # the next proposal starts from the committed prefix and an empty tree
-    assert len(drafter.cache) == 4
-    seen.clear()
-    drafter.expand([1], torch.tensor([5]), [0], depth=1)
-    assert seen == [[[1]]]
-
-
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 @pytest.mark.parametrize("kind", ["eagle3", "eagle1"])
 def test_fused_and_module_drafters_propose_the_same_trees(build_target, kind, temperature):
@@ -158,29 +131,6 @@ def test_fused_and_module_drafters_propose_the_same_trees(build_target, kind, te
     assert len(trees[0]) == 10
     if temperature:
         torch.testing.assert_close(trees[0].q_table, trees[1].q_table, atol=1e-5, rtol=1e-4)
-
-
-def test_batched_draws_match_one_row_at_a_time():
-    logits = torch.randn(5, 40, generator=torch.Generator().manual_seed(0))
-    batched = draw_children(logits, 4, 0.0, None)
-    for row in range(5):
-        logq = torch.log_softmax(logits[row], -1)
-        top = torch.topk(logq, 4)
-        assert batched.draft_ids[row].tolist() == top.indices.tolist()
-        torch.testing.assert_close(batched.slot_logq[row], top.values)
-    # sampling: k distinct ids per row, slot scores are the row's k largest log q, q is the row's softmax
-    sampled = draw_children(logits, 4, 0.7, torch.Generator().manual_seed(1))
-    for row in range(5):
-        assert len(set(sampled.draft_ids[row].tolist())) == 4
-        torch.testing.assert_close(sampled.q[row], torch.softmax(logits[row] / 0.7, -1))
-        torch.testing.assert_close(
-            sampled.slot_logq[row], torch.topk(torch.log_softmax(logits[row] / 0.7, -1), 4).values
-        )
-    # the first draw of a row follows q: 4000 draws of a 3-token row
-    row = torch.tensor([[0.0, 1.0, 2.0]]).expand(4000, 3)
-    first = draw_children(row, 2, 1.0, torch.Generator().manual_seed(2)).draft_ids[:, 0]
-    freq = torch.bincount(first, minlength=3).float() / 4000
-    torch.testing.assert_close(freq, torch.softmax(torch.tensor([0.0, 1.0, 2.0]), -1), atol=0.03, rtol=0)
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "eagle1"])

@@ -123,6 +123,24 @@ def test_oracle_drafts_are_accepted_and_output_is_plain(any_target, tree, monkey
     assert out.tau == pytest.approx((N - 1) / out.steps)
 
 
+@pytest.mark.parametrize("filters", [{"top_k": 1}, {"top_p": 0.01}], ids=str)
+def test_typical_acceptance_samples_from_the_filtered_target(build_target, oracle, filters):
+    """top-k 1 (or a tiny top-p) leaves one token per step: typical acceptance must then decode greedily,
+    accepting the oracle's true drafts; dropping the filter would sample at temperature 1 instead."""
+    model = build_target("llama")
+    out = generate(
+        model,
+        PROMPT,
+        oracle(model),
+        max_new_tokens=N,
+        temperature=1.0,
+        acceptance="typical",
+        seed=0,
+        **filters,
+    )
+    assert out.sequences[0].tolist() == _plain_ids(model) and out.tau > 1.5
+
+
 # ---- EOS and max_new_tokens -------------------------------------------------------------------------
 
 

@@ -5,10 +5,9 @@ import pytest
 import torch
 from torch import nn
 
-from decode import DEFAULT_TREES, DynamicTree, generate
-from decode.generate import DEFAULT_EAGLE_TREE, GPU_EAGLE_TREE, GPU_MEDUSA_TREE, default_tree, resolve_tree
-from decode.layout import can_int8, quantize_draft
-from decode.tree import DEFAULT_MEDUSA_TREE
+from decode import generate
+from decode.layout import can_int8
+from decode.prepare import quantize_draft
 from heads.eagle import EagleConfig, EagleHead
 from heads.medusa import MedusaConfig, MedusaHeads
 
@@ -47,7 +46,7 @@ BAD_CALLS = {
     "heads for wider target": (
         {"heads": lambda m: _medusa(hidden_size=48)},
         ValueError,
-        "hidden_size=48, but this target has hidden_size=32",
+        r"MedusaHeads was built for a target with hidden_size=48, but this target has hidden_size=32$",
     ),
     "heads for larger vocab": (
         {"heads": lambda m: EagleHead(EagleConfig.from_target(m.config, "eagle1", vocab_size=256))},
@@ -57,7 +56,7 @@ BAD_CALLS = {
     "taps beyond depth": (
         {"heads": lambda m: EagleHead(EagleConfig.from_target(m.config, "eagle3", aux_layer_ids=(0, 9)))},
         ValueError,
-        "tap layer 9, but this target has 4 layers",
+        "EagleHead taps layer 9, but the target has 4 layers",
     ),
     "typical at greedy": ({"acceptance": "typical"}, ValueError, "typical acceptance applies to sampling"),
     "unknown acceptance": ({"acceptance": "fast"}, ValueError, "acceptance must be 'lossless' or 'typical'"),
@@ -109,17 +108,3 @@ def test_int8_drafts_fit_an_fp32_target(build_target, kind):
     heads = _medusa() if kind == "medusa" else EagleHead(EagleConfig.from_target(model.config, "eagle3"))
     out = generate(model, PROMPT, quantize_draft(heads.eval(), model), max_new_tokens=4)
     assert out.new_tokens == 4
-
-
-def test_default_trees_follow_the_target_device(build_target):
-    """GPU-sized trees when the target is on CUDA (no GPU needed: only the device type is read)."""
-    eagle = EagleHead(EagleConfig.from_target(build_target("llama").config, "eagle1"))
-    assert default_tree(eagle, torch.device("cuda", 0)) == GPU_EAGLE_TREE == DynamicTree(6, 10, 60)
-    assert default_tree(eagle, "cpu") == DEFAULT_EAGLE_TREE == DynamicTree(5, 4, 12)
-    assert resolve_tree(eagle, None, "cuda:1") == GPU_EAGLE_TREE
-    medusa = _medusa(num_heads=6)
-    assert default_tree(medusa, "cuda") == DEFAULT_TREES[GPU_MEDUSA_TREE]  # the largest: 16 nodes, 6 deep
-    assert len(DEFAULT_TREES[GPU_MEDUSA_TREE]) == max(len(t) for t in DEFAULT_TREES.values())
-    assert default_tree(medusa, "cpu") == DEFAULT_TREES[DEFAULT_MEDUSA_TREE]
-    assert default_tree(_medusa(num_heads=3), "cuda") == [p for p in DEFAULT_TREES["tree16"] if len(p) <= 3]
-    assert len(resolve_tree(medusa, None, "cpu")) == len(DEFAULT_TREES[DEFAULT_MEDUSA_TREE]) + 1

@@ -1,6 +1,9 @@
 """decode/layout.py: the transposed weight copy and the MKL-packed weights compute the same products, are
-used only for the row counts they are meant for, and speculative decoding on pretransposed and packed models
-still equals plain decoding token for token."""
+used only for the row counts they are meant for, live in non-persistent buffers that follow `.to()` (a packed
+weight moved off the CPU or cast refuses, naming the layer), and speculative decoding on pretransposed models
+still equals plain decoding token for token. Head-aware steps (int8 drafts, packing per tree) are tested in
+test_prepare.py.
+"""
 
 import copy
 
@@ -9,24 +12,17 @@ import torch
 from torch import nn
 
 from decode import generate
-from decode.calibrate import measure_verify_cost
-from decode.generate import DEFAULT_EAGLE_TREE
 from decode.layout import (
-    DRAFT_LM_HEAD,
-    can_int8,
     can_pack,
-    draft_lm_head,
-    is_int8_draft,
     is_pretransposed,
-    pack_for_tree,
     pack_linears,
     packed_rows,
+    packed_weight,
     pretranspose_linears,
-    quantize_draft,
+    transpose_min_rows,
+    transposed_weight,
 )
-from decode.tree import DEFAULT_MEDUSA_TREE, DEFAULT_TREES, DynamicTree, build_tree, verify_rows
 from heads.eagle import EagleConfig, EagleHead
-from heads.medusa import MedusaConfig, MedusaHeads
 
 PROMPT = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(1))
 
@@ -50,7 +46,8 @@ def test_copy_is_used_from_min_rows_on_and_calls_are_idempotent():
     layer = nn.Linear(8, 6)
     assert pretranspose_linears(layer, min_rows=3) > 0 and is_pretransposed(layer)
     assert pretranspose_linears(layer, min_rows=3) == 0  # already patched: no second copy
-    layer._selfspec_weight_t.zero_()  # poison the copy: only passes of >= 3 rows read it
+    assert transpose_min_rows(layer) == 3 and transposed_weight(layer).t().is_contiguous()  # stored (in, out)
+    transposed_weight(layer).zero_()  # poison the copy: only passes of >= 3 rows read it
     rows = torch.randn(4, 8)
     assert torch.equal(layer(rows[:1]), nn.functional.linear(rows[:1], layer.weight, layer.bias))
     assert torch.equal(layer(rows[:2]), nn.functional.linear(rows[:2], layer.weight, layer.bias))
@@ -111,10 +108,13 @@ def test_packed_weight_is_read_at_exactly_its_row_count_and_replaced_or_dropped(
     torch.manual_seed(0)
     layer = nn.Linear(8, 6)
     pretranspose_linears(layer, min_rows=2)
-    pack_linears(layer, 3)
-    # poison: the buffer of a zero weight (an opaque MKL format, so packed by MKL itself); only 3-row passes
-    # read it
-    layer._selfspec_packed = (3, torch.ops.mkl._mkl_reorder_linear_weight(torch.zeros_like(layer.weight), 3))
+    # poison: pack a zero weight, then restore the weight (the packed copy does not follow later changes);
+    # only 3-row passes read it
+    weight = layer.weight.detach().clone()
+    with torch.no_grad():
+        layer.weight.zero_()
+        pack_linears(layer, 3)
+        layer.weight.copy_(weight)
     rows = torch.randn(4, 8)
     assert torch.equal(layer(rows[:3]), layer.bias.expand(3, 6))
     for n in (1, 2, 4):
@@ -133,154 +133,45 @@ def test_pack_linears_skips_layers_that_were_not_pretransposed_and_checks_rows()
         pack_linears(layer, 1)
 
 
-def test_verify_rows_counts_the_root():
-    assert verify_rows(DynamicTree(depth=5, top_k=4, total_tokens=12)) == 13
-    assert verify_rows("tree8") == len(DEFAULT_TREES["tree8"]) + 1
-    assert verify_rows([(0,), (1,), (0, 0)]) == 4
-    assert verify_rows(build_tree([(0,), (1,), (0, 0)])) == 4
-
-
 @needs_mkl
-def test_pack_for_tree_packs_target_and_eagle_head_for_the_tree(build_target):
-    target = copy.deepcopy(build_target("llama"))
-    head = EagleHead(EagleConfig.from_target(target.config, "eagle3", draft_vocab_size=64)).eval()
-    medusa = MedusaHeads(MedusaConfig(hidden_size=32, vocab_size=128, num_heads=3)).eval()
-    pack_for_tree(target, head, None)  # nothing pretransposed: nothing packed
-    assert packed_rows(target) is None and packed_rows(head) is None
-    pretranspose_linears(target)
-    pretranspose_linears(head)
-    pack_for_tree(target, head, None)  # the default EAGLE tree
-    assert (
-        packed_rows(target) == DEFAULT_EAGLE_TREE.total_tokens + 1
-        and packed_rows(head) == DEFAULT_EAGLE_TREE.top_k
-    )
-    pack_for_tree(target, head, "tree8")  # static: the head's rows vary per level, it is not packed
-    assert packed_rows(target) == verify_rows("tree8") and packed_rows(head) is None
-    pack_for_tree(target, medusa, None)  # the default Medusa tree, cut to the 3 heads' depth
-    assert packed_rows(target) == verify_rows([p for p in DEFAULT_TREES[DEFAULT_MEDUSA_TREE] if len(p) <= 3])
-    pack_for_tree(target, None, None)
-    assert packed_rows(target) is None
-
-
-@needs_mkl
-def test_verify_cost_is_measured_packed_and_leaves_the_packing_as_it_was(build_target):
-    target = copy.deepcopy(build_target("llama"))
-    pretranspose_linears(target)
-    pack_linears(target, 7)
-    seen = []
-    original = target.forward
-
-    def spy(*args, **kwargs):
-        seen.append((kwargs["input_ids"].shape[1], packed_rows(target)))
-        return original(*args, **kwargs)
-
-    target.forward = spy
-    measure_verify_cost(target, PROMPT, [1, 3, 5], repeats=1)
-    assert {rows: packed for rows, packed in seen[1:]} == {1: None, 3: 3, 5: 5}
-    assert packed_rows(target) == 7
-
-
-@needs_mkl
-@pytest.mark.parametrize("tree", [DynamicTree(depth=4, top_k=3, total_tokens=9), "tree8"], ids=str)
-def test_greedy_speculative_decoding_on_packed_models_equals_plain(any_target, tree, rank_oracle):
-    plain = generate(
-        any_target, PROMPT, max_new_tokens=48
-    ).sequences  # the oracle knows 8 tokens more than decoded
-    target = copy.deepcopy(any_target)
-    with torch.no_grad():
-        features = target(plain, output_hidden_states=True).hidden_states[-1][0]
-    head = rank_oracle(plain[0].tolist(), 128, [1 / 3] * 3, features=features)
-    pretranspose_linears(target, min_rows=2)
-    pack_for_tree(target, head, tree)
-    assert packed_rows(target) == verify_rows(tree)
-    out = generate(target, PROMPT, head, max_new_tokens=40, tree=tree)
-    assert out.sequences.tolist() == plain[:, : PROMPT.shape[1] + 40].tolist()
-    assert out.tau > 1.5
-
-
-needs_fbgemm = pytest.mark.skipif(not can_int8(), reason="this torch build has no x86 quantized engine")
-
-
-def _eagle3(target, seed: int = 0) -> EagleHead:
-    torch.manual_seed(seed)
-    head = EagleHead(EagleConfig.from_target(target.config, "eagle3", draft_vocab_size=64)).eval()
-    head.set_draft_vocab(torch.randperm(128)[:64])
-    for param in head.parameters():  # a trained-looking head: weights well away from their init
-        param.data.add_(0.05 * torch.randn_like(param))
-    return head
-
-
-@needs_fbgemm
-def test_int8_draft_logits_stay_close_to_fp32(build_target):
-    target = build_target("llama")
-    head = _eagle3(target)
-    features = torch.randn(1, 24, 3 * 32)
-    embeds = target.get_input_embeddings()(torch.randint(0, 128, (1, 24)))
-    positions = torch.arange(24)[None]
-
-    def logits(module):
-        with torch.no_grad():
-            return module.logits(module(module.project_features(features), embeds, positions), None)[0]
-
-    before = logits(head)
-    quantized = quantize_draft(copy.deepcopy(head))
-    after = logits(quantized)
-    assert is_int8_draft(quantized) and not is_int8_draft(head)
-    # all int8 but fc, which reads the target's raw hidden states (their outliers need fp32)
-    assert [name for name, m in quantized.named_modules() if isinstance(m, nn.Linear)] == ["fc"]
-    assert (after - before).abs().max() < 0.05 * before.abs().max()  # int8 error: a few percent at most
-    assert (after.argmax(-1) == before.argmax(-1)).float().mean() >= 0.9
-    assert not torch.equal(after, before)  # the int8 path really ran
-
-
-@needs_fbgemm
-@pytest.mark.parametrize("kind", ["eagle3", "eagle1", "medusa_shared", "medusa_own"])
-def test_greedy_decoding_with_int8_drafts_equals_plain_and_leaves_the_target_alone(any_target, kind):
-    plain = generate(any_target, PROMPT, max_new_tokens=32).sequences
-    target = copy.deepcopy(any_target)
-    lm_weight = target.get_output_embeddings().weight.clone()
+def test_copies_are_non_persistent_buffers_that_follow_to():
     torch.manual_seed(0)
-    if kind == "eagle3":
-        heads = _eagle3(target)
-    elif kind == "eagle1":
-        heads = EagleHead(EagleConfig.from_target(target.config, "eagle1")).eval()
-    else:
-        heads = MedusaHeads(
-            MedusaConfig(hidden_size=32, vocab_size=128, num_heads=4, share_lm_head=kind == "medusa_shared")
-        ).eval()
-        heads.init_from_lm_head(lm_weight)
-    shares = kind in ("eagle1", "medusa_shared")
-    if shares:
-        with pytest.raises(ValueError, match="project with the target's lm_head: pass target="):
-            quantize_draft(copy.deepcopy(heads))
-    assert quantize_draft(heads, target) is heads
-    assert (draft_lm_head(heads, target) is target.get_output_embeddings()) != shares
-    assert not any(name.startswith(DRAFT_LM_HEAD) for name, _ in heads.named_modules())  # no submodule
-    for tree in (None, "tree8"):
-        out = generate(target, PROMPT, heads, max_new_tokens=32, tree=tree)
-        assert out.sequences.tolist() == plain.tolist()
-    assert isinstance(target.get_output_embeddings(), nn.Linear)
-    assert torch.equal(target.get_output_embeddings().weight, lm_weight)
+    module = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 4))
+    keys = list(module.state_dict())
+    pretranspose_linears(module, min_rows=2)
+    pack_linears(module, 3)
+    assert list(module.state_dict()) == keys  # nothing new is saved
+    assert [name for name, _ in module.named_buffers()] == ["0._selfspec_weight_t", "2._selfspec_weight_t"]
+    inputs = torch.randn(5, 8, dtype=torch.float64)
+    module.to(torch.float64)  # the copies are cast with the weights
+    assert (
+        transposed_weight(module[0]).dtype == torch.float64
+        and transposed_weight(module[0]).t().is_contiguous()
+    )
+    hidden = torch.relu(nn.functional.linear(inputs, module[0].weight, module[0].bias))
+    expected = nn.functional.linear(hidden, module[2].weight, module[2].bias)
+    torch.testing.assert_close(module(inputs), expected)  # 5 rows: the (float64) transposed copies
+    assert torch.equal(module(inputs[:1]), expected[:1])  # 1 row: the weight itself
+    refused = (
+        r"Linear layer '0' holds an MKL-packed weight for 3-row inputs, valid on the CPU in float32 only, "
+        r"but it is now on cpu / float64; .* call decode.prepare\(model, heads, tree\) again"
+    )
+    with pytest.raises(RuntimeError, match=refused):
+        module(inputs[:3])
+    assert pack_linears(module, 3) == 0 and packed_rows(module) is None  # a float64 layer is not packed
+    torch.testing.assert_close(module(inputs[:3]), expected[:3])
 
 
-@needs_fbgemm
-def test_int8_heads_are_not_saved(build_target, tmp_path):
-    from heads.io import save_heads
-
-    head = quantize_draft(_eagle3(build_target("llama")))
-    with pytest.raises(
-        ValueError,
-        match=r"holds 8 quantized layers \(midlayer.self_attn.q_proj, midlayer.self_attn."
-        r"k_proj, midlayer.self_attn.v_proj, \.\.\.\): int8 drafts are for decoding",
-    ):
-        save_heads(head, tmp_path / "head", base_model="tiny")
-    assert not (tmp_path / "head").exists()
-
-
-@needs_fbgemm
-def test_quantize_draft_refuses_heads_it_cannot_serve(build_target):
-    head = _eagle3(build_target("llama")).to(torch.bfloat16)
-    with pytest.raises(
-        ValueError, match=r"fp32 heads on the CPU; these heads hold \['torch.bfloat16 on cpu'\]"
-    ):
-        quantize_draft(head)
+@needs_mkl
+def test_a_packed_layer_moved_to_another_device_refuses_its_packed_row_count():
+    torch.manual_seed(0)
+    layer = nn.Linear(8, 6)
+    pretranspose_linears(layer, min_rows=2)
+    pack_linears(layer, 4)
+    layer.to("meta")  # the transposed copy follows; the packed weight (mkldnn) cannot, and stays behind
+    assert transposed_weight(layer).device.type == "meta" and packed_weight(layer).device.type == "cpu"
+    assert layer(torch.randn(5, 8, device="meta")).shape == (5, 6)  # other row counts run where it is
+    with pytest.raises(RuntimeError, match="Linear layer 'Linear' .* 4-row inputs.* now on meta / float32"):
+        layer(torch.randn(4, 8, device="meta"))
+    pack_linears(layer, 4)  # off the CPU: the packed weight is dropped, not rebuilt
+    assert packed_rows(layer) is None and layer(torch.randn(4, 8, device="meta")).shape == (4, 6)

@@ -1,9 +1,25 @@
-"""Tests for decode/tree.py: static trees in index form, validation, EAGLE-2 rerank and DynamicTree specs."""
+"""Tests for decode/tree.py: static trees in index form, validation, EAGLE-2 rerank, DynamicTree specs, verify
+row counts, and the default and resolved trees of a drafter."""
 
 import pytest
 import torch
 
-from decode.tree import DEFAULT_TREES, DraftTree, DynamicTree, build_tree, chain, select_nodes
+from decode.tree import (
+    DEFAULT_EAGLE_TREE,
+    DEFAULT_MEDUSA_TREE,
+    DEFAULT_TREES,
+    GPU_EAGLE_TREE,
+    GPU_MEDUSA_TREE,
+    DraftTree,
+    DynamicTree,
+    ancestor_mask,
+    build_tree,
+    chain,
+    default_tree,
+    resolve_tree,
+    select_nodes,
+    verify_rows,
+)
 
 
 def test_four_node_tree_by_hand():
@@ -22,17 +38,14 @@ def test_four_node_tree_by_hand():
         ],
         dtype=torch.bool,
     )
-    assert tree.attn_mask.dtype == torch.bool
-    assert torch.equal(tree.attn_mask, expected_mask)
-    assert tree.retrieve_indices.tolist() == [[0, 2, -1], [0, 1, 3]]
+    assert torch.equal(ancestor_mask(tree.parents), expected_mask)  # the verify mask of its nodes
     assert len(tree) == 4 and tree.depth == 2
 
 
 def test_chain_tree():
     tree = build_tree(chain(3))
     assert tree.parents.tolist() == [-1, 0, 1, 2]
-    assert torch.equal(tree.attn_mask, torch.tril(torch.ones(4, 4, dtype=torch.bool)))
-    assert tree.retrieve_indices.tolist() == [[0, 1, 2, 3]]
+    assert torch.equal(ancestor_mask(tree.parents), torch.tril(torch.ones(4, 4, dtype=torch.bool)))
     assert tree.depth == 3
 
 
@@ -58,16 +71,13 @@ def test_default_trees_build(name):
     paths = DEFAULT_TREES[name]
     tree = build_tree(paths)
     n = len(paths) + 1
-    assert len(tree) == n and tree.attn_mask.shape == (n, n)
-    assert tree.depth == max(len(p) for p in paths)
+    assert len(tree) == n and tree.depth == max(len(p) for p in paths)
     # every node's mask row is exactly its root path: the rank path's prefixes
+    mask = ancestor_mask(tree.parents)
     index = {(): 0} | {p: i + 1 for i, p in enumerate(tree.paths)}
     for p, i in index.items():
         ancestors = {index[p[:k]] for k in range(len(p) + 1)}
-        assert set(torch.nonzero(tree.attn_mask[i]).flatten().tolist()) == ancestors, (name, p)
-    # every node lies on some retrieve path; paths end at leaves
-    covered = set(tree.retrieve_indices.flatten().tolist()) - {-1}
-    assert covered == set(range(n))
+        assert set(torch.nonzero(mask[i]).flatten().tolist()) == ancestors, (name, p)
 
 
 def test_node_order_is_depth_then_ranks():
@@ -120,3 +130,40 @@ def test_draft_tree_children_by_rank():
     assert tree.children == [[2, 1], [], [4, 3], [], []]
     assert tree.depths.tolist() == [0, 1, 1, 2, 2]
     assert len(tree) == 5
+
+
+def test_verify_rows_counts_the_root():
+    assert verify_rows(DynamicTree(depth=5, top_k=4, total_tokens=12)) == 13
+    assert verify_rows("tree8") == len(DEFAULT_TREES["tree8"]) + 1
+    assert verify_rows([(0,), (1,), (0, 0)]) == 4
+    assert verify_rows(build_tree([(0,), (1,), (0, 0)])) == 4
+
+
+def test_default_trees_follow_the_target_device():
+    """GPU-sized trees when the target is on CUDA (no GPU needed: only the device type is read)."""
+    assert default_tree(None, True, torch.device("cuda", 0)) == GPU_EAGLE_TREE == DynamicTree(6, 10, 60)
+    assert default_tree(None, True, "cpu") == DEFAULT_EAGLE_TREE == DynamicTree(5, 4, 12)
+    assert resolve_tree(None, max_depth=None, dynamic=True, device="cuda:1") == GPU_EAGLE_TREE
+    assert default_tree(6, False, "cuda") == DEFAULT_TREES[GPU_MEDUSA_TREE]  # the largest: 16 nodes, 6 deep
+    assert len(DEFAULT_TREES[GPU_MEDUSA_TREE]) == max(len(t) for t in DEFAULT_TREES.values())
+    assert default_tree(6, False, "cpu") == DEFAULT_TREES[DEFAULT_MEDUSA_TREE]
+    assert default_tree(3, False, "cuda") == [
+        p for p in DEFAULT_TREES["tree16"] if len(p) <= 3
+    ]  # cut to depth
+    resolved = resolve_tree(None, max_depth=6, dynamic=False, device="cpu")
+    assert resolved.paths == build_tree(DEFAULT_TREES[DEFAULT_MEDUSA_TREE]).paths
+
+
+def test_resolve_tree_takes_every_form_and_checks_the_drafter_depth():
+    spec = DynamicTree(depth=9, top_k=2, total_tokens=5)
+    assert resolve_tree(spec, max_depth=2, dynamic=False) is spec  # a dynamic tree is cut while drafting
+    built = build_tree([(0,), (0, 0)])
+    assert resolve_tree(built, max_depth=2, dynamic=True) is built
+    assert resolve_tree("chain4", max_depth=None, dynamic=False).paths == build_tree(chain(4)).paths
+    assert resolve_tree([(0,), (1,)], max_depth=1, dynamic=False).paths == ((0,), (1,))
+    with pytest.raises(ValueError, match="tree depth 4 exceeds the 2 levels these heads can draft"):
+        resolve_tree("chain4", max_depth=2, dynamic=False)
+    with pytest.raises(ValueError, match=r"unknown tree name 'tree99'.*chain4"):
+        resolve_tree("tree99", max_depth=None, dynamic=True)
+    with pytest.raises(TypeError, match="got int"):
+        resolve_tree(7, max_depth=None, dynamic=True)

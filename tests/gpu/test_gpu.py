@@ -12,12 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import train.eagle
 from decode import DynamicTree, generate
 from heads.eagle import EagleConfig, EagleHead
-from heads.target import materialize_default_target
 from train.config import EagleRunConfig, load_config
 
 pytestmark = pytest.mark.gpu
@@ -71,25 +69,6 @@ def test_accepted_tree_paths_on_cuda_equal_plain_decoding(tiny_llama, rank_oracl
     assert spec.tau > 2.0  # paths were accepted, so the check above covered accepted-token bookkeeping
 
 
-def _tiny_target_dir(path: Path) -> Path:
-    """A random 4-layer llama with the SmolLM2 tokenizer (chat template), as in tests/train/conftest.py."""
-    tokenizer = AutoTokenizer.from_pretrained(materialize_default_target())
-    config = AutoConfig.for_model(
-        "llama",
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=len(tokenizer),
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
 def _reset_accelerate() -> None:
     from accelerate.state import AcceleratorState, GradientState
 
@@ -97,7 +76,7 @@ def _reset_accelerate() -> None:
     GradientState._reset_state()
 
 
-def test_recipe_on_cuda_with_bf16_autocast_keeps_the_head_fp32(tmp_path, monkeypatch):
+def test_recipe_on_cuda_with_bf16_autocast_keeps_the_head_fp32(tmp_path, monkeypatch, tiny_target_dir):
     chats = tmp_path / "train.jsonl"
     rows = [
         {
@@ -130,7 +109,7 @@ def test_recipe_on_cuda_with_bf16_autocast_keeps_the_head_fp32(tmp_path, monkeyp
         EagleRunConfig,
         ROOT / "configs" / "tiny_test.yaml",
         [
-            f"model.target='{_tiny_target_dir(tmp_path / 'tiny_llama')}'",
+            f"model.target='{tiny_target_dir}'",
             f"data.train_files=['{chats}']",
             f"train.output_dir='{out}'",
             "model.dtype=bfloat16",

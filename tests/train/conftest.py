@@ -15,36 +15,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from safetensors.torch import load_file
+from transformers import AutoTokenizer
 
-from heads.target import materialize_default_target
+from train.checkpoint import PROGRESS_FILE
 from train.data import build_dataset
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_YAML = ROOT / "configs" / "tiny_test.yaml"
-
-
-@pytest.fixture(scope="session")
-def tiny_target_dir(tmp_path_factory) -> Path:
-    """A random 4-layer llama (H=32, tied embeddings) saved with the SmolLM2 tokenizer, so the recipe's
-    chat template, masking and draft-vocabulary code run on a real 49k vocabulary. No network."""
-    tokenizer = AutoTokenizer.from_pretrained(materialize_default_target())
-    config = AutoConfig.for_model(
-        "llama",
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=len(tokenizer),
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
-    path = tmp_path_factory.mktemp("tiny_llama")
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="session")
@@ -111,6 +89,18 @@ def run_recipe():
             torch.set_num_threads(threads)
 
     return run
+
+
+@pytest.fixture
+def fresh_accelerate():
+    """Clean accelerate singletons and one thread around a test that builds its own Accelerator in this
+    process (as `run_recipe` does for a recipe)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    _reset_accelerate()
+    yield
+    _reset_accelerate()
+    torch.set_num_threads(threads)
 
 
 def _subprocess_env() -> dict[str, str]:
@@ -276,3 +266,26 @@ def ddp(tmp_path_factory, two_rank_args, per_rank_script, cli) -> tuple[Path, st
         accelerate_config="ddp_cpu.yaml",
     )
     return out, cli.run(command, out.parent / "log.txt", timeout=300)
+
+
+def head_weights(run: Path) -> dict[str, torch.Tensor]:
+    return load_file(run / "head" / "model.safetensors")
+
+
+def assert_same_weights(actual: dict, expected: dict, atol: float = 0.0) -> None:
+    assert sorted(actual) == sorted(expected)
+    for key, value in expected.items():
+        torch.testing.assert_close(actual[key], value, rtol=0, atol=atol, msg=lambda m, k=key: f"{k}: {m}")
+
+
+def state_step(state: Path) -> int:
+    return json.loads((state / PROGRESS_FILE).read_text())["step"]
+
+
+@pytest.fixture(scope="session")
+def ckpt() -> SimpleNamespace:
+    """Readers of a run folder: `head_weights(run)`, `assert_same_weights(actual, expected, atol)`,
+    `state_step(state)` (conftest modules are not importable from tests under --import-mode=importlib)."""
+    return SimpleNamespace(
+        head_weights=head_weights, assert_same_weights=assert_same_weights, state_step=state_step
+    )

@@ -22,6 +22,7 @@ from train.config import (
     EagleRunConfig,
     EagleTrainConfig,
     MedusaRunConfig,
+    flatten,
     load_config,
     save_config,
     to_dict,
@@ -308,3 +309,12 @@ def test_deepspeed_json_accepted_by_accelerate(stage, monkeypatch):
     )
     plugin.set_mixed_precision("bf16")
     assert plugin.zero_stage == stage and plugin.deepspeed_config["bf16"]["enabled"] is True
+
+
+def test_flatten_gives_the_dotted_override_keys_and_scalar_values():
+    cfg = load_config(EagleRunConfig, None, REQUIRED)
+    flat = flatten(to_dict(cfg))
+    assert flat["train.output_dir"] == "runs/test" and flat["train.learning_rate"] == 1e-4
+    assert flat["data.train_files"] == "['train.jsonl']" and flat["model.revision"] == "None"
+    assert all(isinstance(v, (int, float, str, bool)) for v in flat.values())  # what trackers accept
+    assert set(flat) == {f"{section}.{key}" for section, fields in to_dict(cfg).items() for key in fields}

@@ -18,6 +18,7 @@ from train.data import (
     build_dataset,
     collate,
     draft_vocab_from_frequencies,
+    pad_token_id,
     read_rows,
     render_with_mask,
     split_eval,
@@ -357,3 +358,13 @@ def test_draft_vocab_from_frequencies():
     ]  # unseen: smallest ids first
     with pytest.raises(ValueError, match="draft vocab size"):
         draft_vocab_from_frequencies(counts, 9)
+
+
+def test_pad_token_id_falls_back_to_the_end_of_sequence_token():
+    from types import SimpleNamespace
+
+    assert pad_token_id(SimpleNamespace(pad_token_id=3, eos_token_id=2)) == 3
+    assert pad_token_id(SimpleNamespace(pad_token_id=None, eos_token_id=2)) == 2
+    assert pad_token_id(SimpleNamespace(pad_token_id=0, eos_token_id=2)) == 0  # id 0 is a pad token too
+    with pytest.raises(ValueError, match="'tok' has neither a pad nor an end-of-sequence token"):
+        pad_token_id(SimpleNamespace(pad_token_id=None, eos_token_id=None, name_or_path="tok"))

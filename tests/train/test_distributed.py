@@ -1,4 +1,5 @@
-"""train/eagle.py on 2 CPU processes through `accelerate launch`: DDP over gloo, DeepSpeed ZeRO-1/2/3 and
+"""train/distributed.py: the precision settings it checks or sets (in this process), and train/eagle.py on 2
+CPU processes through `accelerate launch` (marked distributed): DDP over gloo, DeepSpeed ZeRO-1/2/3 and
 FSDP2, each checked against a 1-process run of the same global batch (2 x 1 sequences per step vs 1 x 2). The
 2-process runs also evaluate at every step (eval loss on every rank, simulated tau on the main process with
 the head gathered from the shards): a rank left waiting would hang the run past the launch timeout.
@@ -17,16 +18,25 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from accelerate.utils import DistributedType
 from safetensors.torch import load_file
 
 from heads import load_heads
 from heads.target import load_target
 from train.checkpoint import PROGRESS_FILE, latest_state
-
-pytestmark = pytest.mark.distributed
+from train.config import ModelConfig
+from train.distributed import (
+    FSDP_ON_CPU_ENV,
+    _fsdp2_fp32_reduction,
+    check_deepspeed_precision,
+    shard_fsdp2_units,
+    shards_trained_weights,
+    whole_parameters,
+)
 
 COMMON = [
     "train.eval_tau_prompts=0",
@@ -61,6 +71,7 @@ def single(tmp_path_factory, overrides, uniform_chats, run_recipe) -> Path:
     return out
 
 
+@pytest.mark.distributed
 def test_ddp_matches_one_process_with_the_same_global_batch(
     ddp, single, tmp_path, overrides, uniform_chats, run_recipe
 ):
@@ -76,6 +87,7 @@ def test_ddp_matches_one_process_with_the_same_global_batch(
     assert max_difference(weights(other), weights(single)) > 100 * ATOL
 
 
+@pytest.mark.distributed
 def test_ddp_ranks_end_with_identical_weights(ddp):
     out, _ = ddp
     rank0, rank1 = weights(out / "rank0.safetensors"), weights(out / "rank1.safetensors")
@@ -83,6 +95,7 @@ def test_ddp_ranks_end_with_identical_weights(ddp):
     assert max_difference(rank0, weights(out)) == 0.0  # and the export is what the ranks hold
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_deepspeed_zero_trains_exports_and_matches_ddp(
     stage, ddp, tmp_path, two_rank_args, per_rank_script, cli, tiny_target_dir
@@ -120,15 +133,14 @@ def fsdp2_command(cli, args: list[str]) -> list[str]:
     return command[:at] + ["--fsdp_min_num_params", "2000"] + command[at:]
 
 
+@pytest.mark.distributed
 def test_fsdp2_shards_the_head_trains_evaluates_resumes_and_matches_ddp(
     ddp, tmp_path, two_rank_args, cli, monkeypatch
 ):
     """configs/accelerate/fsdp2.yaml as GPU users launch it, on 2 CPU processes. accelerate does not pick FSDP
-    without a GPU, so the test-only switch FSDP_ON_CPU_ENV (train/common.py) flips the gloo group it builds to
-    accelerate's FSDP2 path; that choice is all it bypasses. The log must show FSDP and the resume state must
-    be FSDP's sharded checkpoint, so a run that fell back to DDP fails here."""
-    from train.common import FSDP_ON_CPU_ENV
-
+    without a GPU, so the test-only switch FSDP_ON_CPU_ENV (train/distributed.py) flips the gloo group it
+    builds to accelerate's FSDP2 path; that choice is all it bypasses. The log must show FSDP and the resume
+    state must be FSDP's sharded checkpoint, so a run that fell back to DDP fails here."""
     monkeypatch.setenv(FSDP_ON_CPU_ENV, "1")  # the subprocesses inherit it
     out = tmp_path / "fsdp2"
     args = two_rank_args(out, "train.save_every_steps=2", "train.keep_checkpoints=2", evaluate=True)
@@ -151,6 +163,7 @@ def test_fsdp2_shards_the_head_trains_evaluates_resumes_and_matches_ddp(
     assert max_difference(weights(resumed), weights(out)) < ATOL
 
 
+@pytest.mark.distributed
 def test_deepspeed_bf16_trains_online_and_from_an_offline_dump(tmp_path, two_rank_args, cli):
     """Under DeepSpeed, bf16 means the engine holds the head in bf16 and runs no autocast: the recipe must
     hand it bf16 inputs, online (a bf16 target) and offline (the dump reader gives float32 features)."""
@@ -185,3 +198,52 @@ def test_deepspeed_bf16_trains_online_and_from_an_offline_dump(tmp_path, two_ran
         assert all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point())
     # the same batches in the same order: online and offline heads end close (bf16 rounding apart)
     assert max_difference(weights(online), weights(offline)) < 1e-2
+
+
+@pytest.mark.parametrize(
+    "distributed_type, precision, dtype, refused",
+    [
+        (
+            "DEEPSPEED",
+            "bf16",
+            "float32",
+            True,
+        ),  # the engine's bf16 head would meet a float32 embedding / lm_head
+        ("DEEPSPEED", "bf16", "bfloat16", False),
+        ("DEEPSPEED", "no", "float32", False),
+        ("MULTI_CPU", "bf16", "float32", False),  # autocast reconciles them there
+    ],
+)
+def test_deepspeed_half_precision_needs_a_target_of_that_dtype(distributed_type, precision, dtype, refused):
+    accelerator = SimpleNamespace(
+        distributed_type=DistributedType[distributed_type], mixed_precision=precision
+    )
+    model = ModelConfig(dtype=dtype)
+    if refused:
+        with pytest.raises(
+            ValueError, match=f"under DeepSpeed, train.mixed_precision={precision} casts the head"
+        ):
+            check_deepspeed_precision(accelerator, model)
+    else:
+        check_deepspeed_precision(accelerator, model)
+
+
+def test_fsdp2_reduces_gradients_in_fp32_under_bf16():
+    """accelerate's FSDP2 policy for bf16 would reduce-scatter (and accumulate) gradients in bf16 too."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+    plugin.set_mixed_precision("bf16")  # what accelerate does when it builds an FSDP run with bf16
+    assert plugin.mixed_precision_policy.reduce_dtype == torch.bfloat16
+    _fsdp2_fp32_reduction(plugin, "bf16")
+    policy = plugin.mixed_precision_policy
+    assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
+
+
+def test_one_process_shards_nothing_and_keeps_weights_whole():
+    accelerator = SimpleNamespace(distributed_type=DistributedType.NO, print=print)
+    module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    assert shard_fsdp2_units(accelerator, module) == [] and not shards_trained_weights(accelerator)
+    params = list(module.parameters())
+    with whole_parameters(params) as whole:  # no ZeRO-3 partitioning: the parameters themselves
+        assert all(a is b for a, b in zip(whole, params))

@@ -74,7 +74,7 @@ def test_medusa2_heads_and_lora_match_one_process(
     accelerate_config, distributed_type, single, tmp_path, overrides, uniform_chats, cli, monkeypatch
 ):
     if accelerate_config == "fsdp2.yaml":  # test-only: see test_distributed.py's FSDP2 test
-        from train.common import FSDP_ON_CPU_ENV
+        from train.distributed import FSDP_ON_CPU_ENV
 
         monkeypatch.setenv(FSDP_ON_CPU_ENV, "1")
     out = tmp_path / "run"

@@ -37,7 +37,7 @@ def free_port() -> int:
 
 
 def machine_command(rank: int, port: int, script: list[str], args: list[str]) -> list[str]:
-    """The README's per-machine launch line, 1 process per machine, all on the loopback address."""
+    """The per-machine launch line of docs/gpu.md, 1 process per machine, all on the loopback address."""
     return [
         sys.executable,
         "-m",

@@ -1,4 +1,5 @@
-"""Offline hidden states: a dump + offline training equals online training; a stale dump is refused."""
+"""Offline hidden states (train/offline.py): a dump + offline training equals online training; a stale dump is
+refused; a run config's dump (scripts/dump_hidden_states.py) holds the taps its head reads."""
 
 import json
 from pathlib import Path
@@ -7,10 +8,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import train.offline
 from heads.target import load_target
 from train.config import EagleRunConfig, load_config
 from train.data import build_dataset
-from train.offline import OfflineStates, dump_hidden_states, estimate_bytes
+from train.offline import INDEX_FILE, OfflineStates, dump_for_run, dump_hidden_states, estimate_bytes
 
 TINY_YAML = Path(__file__).resolve().parents[2] / "configs" / "tiny_test.yaml"
 FAST = ["train.eval_tau_prompts=0", "eagle.draft_vocab_size=256", "data.eval_fraction=0", "train.max_steps=3"]
@@ -203,3 +205,29 @@ def test_bf16_dump_stores_bf16_refuses_an_fp32_resume_and_trains(
         run_recipe(overrides(tmp_path / name, *FAST, *precision, *offline))
         head = load_file(tmp_path / name / "head" / "model.safetensors")
         assert all(torch.isfinite(tensor.float()).all() for tensor in head.values()), name
+
+
+@pytest.mark.parametrize("head_type", ["eagle1", "eagle3"])
+def test_a_run_configs_dump_holds_its_heads_taps_for_all_its_examples(
+    head_type, tmp_path, overrides, tiny_target_dir, fresh_accelerate
+):
+    from heads import EagleConfig
+
+    states = tmp_path / "states"
+    args = overrides(tmp_path / "run", "data.eval_fraction=0", f"eagle.head_type={head_type}")
+    cfg = load_config(EagleRunConfig, TINY_YAML, [*args, f"data.offline_dir='{states}'"])
+    assert dump_for_run(cfg, batch_size=4, shard_size=16) == states
+    index = json.loads((states / INDEX_FILE).read_text())
+    model, _ = load_target(str(tiny_target_dir))
+    taps = (
+        [-1] if head_type == "eagle1" else list(EagleConfig.from_target(model.config, "eagle3").aux_layer_ids)
+    )
+    assert index["layer_ids"] == taps and index["complete"] and index["dtype"] == "float32"
+    assert index["shard_size"] == 16 and len(index["shards"]) == -(-index["examples"] // 16)
+
+
+def test_a_run_config_without_offline_dir_is_refused_before_loading(tmp_path, overrides, monkeypatch):
+    monkeypatch.setattr(train.offline, "make_accelerator", lambda *a: pytest.fail("started before the check"))
+    cfg = load_config(EagleRunConfig, TINY_YAML, overrides(tmp_path))
+    with pytest.raises(ValueError, match=r"set data.offline_dir=<folder>"):
+        dump_for_run(cfg)

@@ -1,25 +1,21 @@
 """Mixed precision in both recipes: trainable weights and Adam states stay float32 whatever the target's
 dtype, `train.mixed_precision=bf16` computes under autocast (it runs on the CPU too), and its losses stay
 close to the float32 run's on the same batches. Combinations that cannot work are refused before any model
-loads."""
+loads (DeepSpeed's and FSDP2's precision settings: test_distributed.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 from typing import ClassVar
 
 import pytest
 import torch
-from accelerate.utils import DistributedType
 from safetensors.torch import load_file
 
-import train.common
-import train.eagle
-import train.medusa
+import train.loader
+import train.loop
 from train.checkpoint import latest_state
-from train.common import check_deepspeed_precision
-from train.config import ConfigError, EagleRunConfig, MedusaRunConfig, ModelConfig, load_config
+from train.config import ConfigError, EagleRunConfig, MedusaRunConfig, load_config
 
 TINY_YAML = Path(__file__).resolve().parents[2] / "configs" / "tiny_test.yaml"
 
@@ -30,8 +26,8 @@ STEPS = ["train.max_steps=4", "train.eval_tau_prompts=0", "train.save_every_step
 RELATIVE_TOLERANCE = 1e-3
 
 
-class RecordingLogger(train.eagle.StepLogger):
-    """The recipes' step logger, also keeping every optimizer step's loss."""
+class RecordingLogger(train.loop.StepLogger):
+    """The recipe loop's step logger, also keeping every optimizer step's loss."""
 
     losses: ClassVar[list[float]] = []
 
@@ -42,7 +38,7 @@ class RecordingLogger(train.eagle.StepLogger):
 
 def losses_of(run_recipe, recipe: str, args: list[str], monkeypatch) -> list[float]:
     """Every optimizer step's loss of train/<recipe>.py on tiny_test.yaml with `args` (in this process)."""
-    monkeypatch.setattr({"eagle": train.eagle, "medusa": train.medusa}[recipe], "StepLogger", RecordingLogger)
+    monkeypatch.setattr(train.loop, "StepLogger", RecordingLogger)
     RecordingLogger.losses = []
     run_recipe(args, recipe)
     return list(RecordingLogger.losses)
@@ -130,49 +126,7 @@ def test_half_precision_target_without_its_autocast_is_refused(cls, dtype, preci
 @pytest.mark.skipif(torch.cuda.is_available(), reason="fp16 is refused only where there is no CUDA")
 def test_fp16_without_cuda_is_refused_before_any_model_loads(tmp_path, overrides, monkeypatch, run_recipe):
     loaded = []
-    monkeypatch.setattr(train.common, "load_target", lambda *a, **k: loaded.append(1))
+    monkeypatch.setattr(train.loader, "load_target", lambda *a, **k: loaded.append(1))
     with pytest.raises(ValueError, match="fp16 needs a CUDA device"):
         run_recipe(overrides(tmp_path, "train.mixed_precision=fp16"), "medusa")
     assert not loaded
-
-
-@pytest.mark.parametrize(
-    "distributed_type, precision, dtype, refused",
-    [
-        (
-            "DEEPSPEED",
-            "bf16",
-            "float32",
-            True,
-        ),  # the engine's bf16 head would meet a float32 embedding / lm_head
-        ("DEEPSPEED", "bf16", "bfloat16", False),
-        ("DEEPSPEED", "no", "float32", False),
-        ("MULTI_CPU", "bf16", "float32", False),  # autocast reconciles them there
-    ],
-)
-def test_deepspeed_half_precision_needs_a_target_of_that_dtype(distributed_type, precision, dtype, refused):
-    accelerator = SimpleNamespace(
-        distributed_type=DistributedType[distributed_type], mixed_precision=precision
-    )
-    model = ModelConfig(dtype=dtype)
-    if refused:
-        with pytest.raises(
-            ValueError, match=f"under DeepSpeed, train.mixed_precision={precision} casts the head"
-        ):
-            check_deepspeed_precision(accelerator, model)
-    else:
-        check_deepspeed_precision(accelerator, model)
-
-
-def test_fsdp2_reduces_gradients_in_fp32_under_bf16():
-    """accelerate's FSDP2 policy for bf16 would reduce-scatter (and accumulate) gradients in bf16 too."""
-    from accelerate.utils import FullyShardedDataParallelPlugin
-
-    from train.common import _fsdp2_fp32_reduction
-
-    plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
-    plugin.set_mixed_precision("bf16")  # what accelerate does when it builds an FSDP run with bf16
-    assert plugin.mixed_precision_policy.reduce_dtype == torch.bfloat16
-    _fsdp2_fp32_reduction(plugin, "bf16")
-    policy = plugin.mixed_precision_policy
-    assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)

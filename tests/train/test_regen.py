@@ -1,5 +1,6 @@
-"""Tests for train.regen.regenerate (self-distillation) on a tiny random Llama with the SmolLM2 tokenizer:
-shards, greedy output, resume after a finished run, after a killed run, and past a half-written shard."""
+"""train/regen.py (self-distillation) on a tiny random Llama with the SmolLM2 tokenizer: reading the prompts,
+shards, greedy output, resume after a finished run, after a killed run, and past a half-written shard, and
+scripts/regenerate.py over it."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from heads.target import materialize_default_target
 from train import regen
 from train.data import BadRow, read_rows
-from train.regen import batched_generate, regenerate
+from train.regen import batched_generate, read_prompts, regenerate
 
 PROMPTS = [
     {"id": f"p{i}", "source": "test", "messages": [{"role": "user", "content": text}]}
@@ -211,3 +212,17 @@ def test_prompts_over_max_prompt_tokens_are_left_out_and_counted(tmp_path, model
     )
     assert stats["too_long"] == 1 and stats["generated"] == 2
     assert sorted(row["id"] for rows in _shards(tmp_path).values() for row in rows) == ["p0", "p1"]
+
+
+def test_read_prompts_names_rows_by_line_and_refuses_a_bad_line_or_an_empty_range(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"messages": p["messages"]}) + "\n" for p in PROMPTS))
+    rows = read_prompts(path, start=1, limit=3)
+    assert [row["id"] for row in rows] == ["prompts.jsonl:2", "prompts.jsonl:3"]  # lines count from 1
+    assert rows[0]["messages"] == PROMPTS[1]["messages"]
+    assert len(read_prompts(path)) == len(PROMPTS)
+    with pytest.raises(ValueError, match=r"prompts.jsonl: no prompts in \[5, None\) of 5 rows"):
+        read_prompts(path, start=5)
+    path.write_text(path.read_text() + "{not json\n")
+    with pytest.raises(BadRow, match=r"prompts.jsonl:6: "):
+        read_prompts(path)

@@ -1,0 +1,138 @@
+"""The benchmark's reports: `bench.md` (markdown tables of tau, acceptance and speedup per method, temperature
+and prompt category, plus the tree-sizing tables) and its plots, rendered from the record that
+`decode.benchmark.benchmark` returns (bench.json)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from decode.benchmark import CATEGORIES
+
+
+def markdown(headers: list[str], rows: list[list[str]]) -> str:
+    """A markdown table."""
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def render(results: dict) -> str:
+    """bench.md: the setup, one tau / speedup table per temperature (in the order of the rows), and each
+    cost-model sizing with its predictions."""
+    weights = "pretransposed for multi-token passes" if results["pretransposed"] else "as loaded"
+    drafts = "int8 draft heads (EAGLE fc in fp32)" if results.get("int8_draft") else "fp32 draft heads"
+    parts = [
+        f"Command: `{results['command']}`\n",
+        (
+            f"Target {results['model']}, fp32, {results['threads']} threads, {results['max_new_tokens']} "
+            f"new tokens at most, torch {results['torch']}, transformers {results['transformers']}, Linear "
+            f"weights {weights}, {drafts}. "
+            "Cells: tau (tokens per target forward, bonus token included) / speedup (method tok/s over plain "
+            "tok/s on the same prompts, pooled) (median of per-prompt speedups). Temperature 0: outputs "
+            "compared token for token with plain greedy decoding (column `same as plain`); temperature > 0: "
+            "the lossless rule."
+        ),
+    ]
+    cats = [*CATEGORIES, "all"]
+    headers = ["method", "tree", *cats, "tok/s (all)", "plain tok/s (all)", "acceptance per depth (all)"]
+    for temperature in dict.fromkeys(r["temperature"] for r in results["rows"]):
+        rows = [r for r in results["rows"] if r["temperature"] == temperature]
+        table = []
+        for name in dict.fromkeys(r["method"] for r in rows):
+            cell = {r["category"]: r for r in rows if r["method"] == name}
+            total = cell["all"]
+            same = f"{total['identical_to_plain']}/{total['prompts']}" if temperature == 0 else "n/a"
+            table.append(
+                [name, total["tree"]]
+                + [
+                    f"{cell[c]['tau']:.2f} / {cell[c]['speedup']:.2f}x "
+                    f"({cell[c]['speedup_median_of_prompts']:.2f}x)"
+                    for c in cats
+                    if c in cell
+                ]
+                + [
+                    f"{total['tokens_per_second']:.1f}",
+                    f"{total['plain_tokens_per_second']:.1f}",
+                    " ".join(f"{a:.2f}" for a in total["acceptance_per_depth"]) or "n/a",
+                    same,
+                ]
+            )
+        parts.append(f"\n### Temperature {temperature:g}: tau / speedup per category\n")
+        parts.append(markdown([*headers, "same as plain"], table))
+    for name, sizing in results["sizing"].items():
+        parts.append(f"\n### Cost-model tree sizing for {name}\n")
+        costs = ", ".join(f"n={n}: {ms:.1f}" for n, ms in sizing["verify_ms"].items())
+        ranks = "; ".join(
+            f"d{d + 1}: " + " ".join(f"{a:.2f}" for a in row)
+            for d, row in enumerate(sizing["acceptance_per_rank"])
+        )
+        parts.append(
+            f"Verify cost C_T(n) ms: {costs}\n\nAcceptance per (depth, rank), calibration prompts: {ranks}"
+        )
+        parts.append(f"\nChosen tree: **{sizing['chosen']}**\n")
+        labelled = [
+            (f"{method} (fixed default): {c['tree']}", c) for method, c in sizing["fixed_trees"].items()
+        ]
+        labelled += [
+            (("**chosen**: " if i == 0 else "") + c["tree"], c)
+            for i, c in enumerate(sizing["candidates"][:6])
+        ]
+        table = [
+            [
+                label,
+                f"{c['expected_tokens']:.2f}",
+                f"{c['verify_ms']:.1f}",
+                f"{c['propose_ms']:.1f}",
+                f"{c['predicted_speedup']:.2f}x",
+            ]
+            for label, c in labelled
+        ]
+        parts.append(
+            markdown(["tree", "E[tokens]/step", "C_T(n+1) ms", "draft ms", "predicted speedup"], table)
+        )
+    return "\n".join(parts) + "\n"
+
+
+def plots(results: dict, out: Path) -> list[str]:
+    """acceptance.png (acceptance per depth per method) and speedup_vs_tree.png; needs matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is missing (pip install -e '.[bench]'): no plots written", file=sys.stderr)
+        return []
+    temps = sorted({r["temperature"] for r in results["rows"]})
+    fig, axes = plt.subplots(1, len(temps), figsize=(6 * len(temps), 4), squeeze=False)
+    for ax, temp in zip(axes[0], temps):
+        for row in results["rows"]:
+            if row["temperature"] == temp and row["category"] == "all" and row["acceptance_per_depth"]:
+                rates = row["acceptance_per_depth"]
+                ax.plot(range(1, len(rates) + 1), rates, marker="o", label=row["method"])
+        ax.set(
+            title=f"acceptance per depth, T={temp:g}",
+            xlabel="depth d",
+            ylabel="P(d accepted | d-1)",
+            ylim=(0, 1),
+        )
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "acceptance.png", dpi=110)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, sizing in results.get("sizing", {}).items():
+        best: dict[int, float] = {}
+        for c in sizing["candidates"]:
+            best[c["draft_nodes"]] = max(best.get(c["draft_nodes"], 0.0), c["predicted_speedup"])
+        xs = sorted(best)
+        ax.plot(xs, [best[x] for x in xs], linestyle="--", label=f"{name}: predicted best at size")
+    for row in results["rows"]:
+        if row["temperature"] == 0 and row["category"] == "all" and row["draft_nodes_per_step"]:
+            ax.scatter(row["draft_nodes_per_step"], row["speedup"], label=f"{row['method']} (measured)")
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set(title="speedup vs tree size, T=0", xlabel="draft tokens per step", ylabel="speedup over plain")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "speedup_vs_tree.png", dpi=110)
+    plt.close("all")
+    return ["acceptance.png", "speedup_vs_tree.png"]

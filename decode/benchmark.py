@@ -1,0 +1,461 @@
+"""End-to-end decoding benchmark (`scripts/bench.py`): every head type against plain decoding and
+transformers' prompt-lookup decoding on held-out prompts, pooled per (method, temperature, category), rendered
+as markdown and plots. Metrics as in REFERENCE section 4: tau includes the bonus token; speedup is over plain
+decoding.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import transformers
+
+from decode import (
+    DEFAULT_EAGLE_TREE,
+    DEFAULT_TREES,
+    Calibration,
+    DynamicTree,
+    best_tree,
+    calibrate,
+    generate,
+    is_int8_draft,
+    prepare,
+    tree_label,
+)
+from decode.timing import synchronize
+from heads import load_heads
+from heads.target import load_target, merge_lora
+
+CHAT_SOURCES = {"chitchat", "chitchat_starter"}  # prompts_eval.jsonl sources of the "chat" category
+CATEGORIES = ("chat", "instruction", "code")
+VERIFY_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48)  # tree sizes whose verify cost the sizing measures
+PROMPT_LOOKUP_TOKENS = 10  # transformers' documented starting point for prompt_lookup_num_tokens
+
+
+@dataclass
+class Method:
+    name: str
+    heads: torch.nn.Module | None = None  # None: plain or prompt lookup
+    tree: object = None
+    target: str = "base"  # "base" or "medusa2" (the LoRA-merged target)
+    kind: str = "ours"  # "ours" (decode.generate) or "lookup" (transformers)
+    tree_label: str = ""
+
+
+@dataclass
+class Tally:
+    """Pooled statistics of one (method, temperature, category)."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+    steps: int = 0
+    emitted: int = 0  # tokens emitted by verify steps (what the prefill emitted is left out)
+    per_depth: list[int] = field(default_factory=list)
+    draft_nodes: int | None = 0  # None: unknown (prompt lookup)
+    plain_tokens: int = 0
+    plain_seconds: float = 0.0
+    ratios: list[float] = field(default_factory=list)  # per-prompt speedups
+    identical: list[bool] = field(default_factory=list)  # per prompt: same tokens as plain decoding
+
+    def add(self, result: dict, plain: dict) -> None:
+        """One prompt's run of the method (`result`) and of plain decoding on the same target (`plain`)."""
+        self.tokens += result["tokens"]
+        self.seconds += result["seconds"]
+        self.steps += result["steps"]
+        self.emitted += result["emitted"]
+        self.per_depth += [0] * (len(result["per_depth"]) - len(self.per_depth))
+        for d, count in enumerate(result["per_depth"]):
+            self.per_depth[d] += count
+        self.draft_nodes = None if result["draft_nodes"] is None else self.draft_nodes + result["draft_nodes"]
+        self.plain_tokens += plain["tokens"]
+        self.plain_seconds += plain["seconds"]
+        self.ratios.append((result["tokens"] / result["seconds"]) / (plain["tokens"] / plain["seconds"]))
+        self.identical.append(torch.equal(result["sequences"], plain["sequences"]))
+
+    def summary(self) -> dict:
+        """Pooled metrics: tau, acceptance per depth, tokens/s, speedups, agreement with plain decoding."""
+        rates, prev = [], self.steps
+        for count in self.per_depth:
+            rates.append(count / prev if prev else 0.0)
+            prev = count
+        tok_s, plain_tok_s = self.tokens / self.seconds, self.plain_tokens / self.plain_seconds
+        return {
+            "tau": self.emitted / self.steps if self.steps else 1.0,
+            "acceptance_per_depth": rates,
+            "tokens_per_second": tok_s,
+            "plain_tokens_per_second": plain_tok_s,
+            "speedup": tok_s / plain_tok_s,
+            "speedup_median_of_prompts": statistics.median(self.ratios),
+            "draft_nodes_per_step": None
+            if self.draft_nodes is None
+            else self.draft_nodes / max(self.steps, 1),
+            "tokens": self.tokens,
+            "prompts": len(self.ratios),
+            "identical_to_plain": sum(self.identical),
+        }
+
+
+def load_prompts(data_dir: Path, n: int, calibration: int) -> tuple[dict[str, list[dict]], list[dict]]:
+    """{category: first n rows} of prompts_eval.jsonl (chat, instruction) and prompts_code_eval.jsonl (code),
+    and the calibration rows: the last chat rows, disjoint from the benchmark rows."""
+    rows = [json.loads(line) for line in (data_dir / "prompts_eval.jsonl").read_text().splitlines()]
+    chat = [r for r in rows if r["source"] in CHAT_SOURCES]
+    instruction = [r for r in rows if r["source"] not in CHAT_SOURCES]
+    code = [json.loads(line) for line in (data_dir / "prompts_code_eval.jsonl").read_text().splitlines()]
+    if n + calibration > len(chat):
+        raise SystemExit(
+            f"--prompts {n} + --calibration-prompts {calibration} exceed the {len(chat)} chat prompts"
+        )
+    return {"chat": chat[:n], "instruction": instruction[:n], "code": code[:n]}, chat[
+        len(chat) - calibration :
+    ]
+
+
+def prompt_ids(tokenizer, row: dict) -> torch.Tensor:
+    """(1, T) chat-template ids of a prompt row's messages."""
+    return tokenizer.apply_chat_template(
+        row["messages"], add_generation_prompt=True, return_dict=True, return_tensors="pt"
+    )["input_ids"]
+
+
+class PassCounter:
+    """A transformers streamer that records how many tokens each target forward emits. Assisted decoding puts
+    the prompt once, then the tokens of every forward pass (the first one, the prefill, already verifies the
+    n-grams it found in the prompt)."""
+
+    def __init__(self) -> None:
+        self.puts: list[int] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.puts.append(value.numel())
+
+    def end(self) -> None:
+        pass
+
+
+def lookup_counts(puts: list[int]) -> dict:
+    """Steps, emitted tokens and accepted drafts per depth of one prompt-lookup run, from its streamer's puts
+    (the prompt, then the tokens of each forward pass). As for ours, the prefill pass is left out."""
+    passes = puts[2:]  # drop the prompt and the prefill pass
+    per_depth: list[int] = []
+    for emitted in passes:
+        for depth in range(emitted - 1):  # emitted - 1 drafts were accepted in that pass
+            per_depth += [0] * (depth + 1 - len(per_depth))
+            per_depth[depth] += 1
+    return {"steps": len(passes), "emitted": sum(passes), "per_depth": per_depth}
+
+
+def run_lookup(model, ids: torch.Tensor, max_new_tokens: int, temperature: float, seed: int) -> dict:
+    """transformers' prompt-lookup decoding; sampling draws from the pure-temperature target distribution."""
+    sampling = {"do_sample": True, "temperature": temperature, "top_p": 1.0, "top_k": 0}
+    counter = PassCounter()
+    torch.manual_seed(seed)
+    synchronize(model.device)
+    start = time.perf_counter()
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS,
+        streamer=counter,
+        **(sampling if temperature > 0 else {"do_sample": False}),
+    )
+    synchronize(model.device)
+    seconds = time.perf_counter() - start
+    return {
+        "sequences": out.cpu(),
+        "tokens": out.shape[1] - ids.shape[1],
+        "seconds": seconds,
+        **lookup_counts(counter.puts),
+        "draft_nodes": None,
+    }
+
+
+def run_ours(
+    model, ids: torch.Tensor, method: Method, max_new_tokens: int, temperature: float, seed: int, layout: dict
+) -> dict:
+    """`decode.generate` after `decode.prepare(model, heads, tree, **layout)` (untimed: it re-packs the
+    weights for this method's tree); `seconds` are timed by `generate` between device synchronisations."""
+    prepare(model, method.heads, method.tree, **layout)
+    out = generate(
+        model,
+        ids,
+        method.heads,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        tree=method.tree,
+        seed=seed,
+    )
+    return {
+        "sequences": out.sequences.cpu(),
+        "tokens": out.new_tokens,
+        "seconds": out.seconds,
+        "steps": out.steps,
+        "emitted": out.new_tokens - 1,
+        "per_depth": out.accepted_per_depth,
+        "draft_nodes": out.draft_nodes,
+    }
+
+
+def as_tree(tree) -> DynamicTree | list[tuple[int, ...]]:
+    """A method's tree as a DynamicTree or a list of rank paths (tree names resolved)."""
+    if isinstance(tree, DynamicTree):
+        return tree
+    return [tuple(p) for p in (DEFAULT_TREES[tree] if isinstance(tree, str) else tree)]
+
+
+def sizing_record(
+    calibration: Calibration, methods: list[Method], heads, label: str
+) -> tuple[dict, Method | None]:
+    """The JSON record of one tree sizing (with the fixed trees' predictions) and the method that decodes with
+    the chosen tree; no method when nothing was ever accepted on the calibration prompts (no tree can
+    help)."""
+    plain = calibration.plain_tokens_per_second
+
+    def entry(tree, prediction: dict) -> dict:
+        return {
+            "tree": tree_label(tree),
+            "draft_nodes": prediction["draft_nodes"],
+            "depth": prediction["depth"],
+            "top_k": prediction["top_k"],
+            "expected_tokens": prediction["expected_tokens"],
+            "verify_ms": 1e3 * prediction["verify_seconds"],
+            "propose_ms": 1e3 * prediction["propose_seconds"],
+            "predicted_speedup": prediction["tokens_per_second"] / plain,
+        }
+
+    fixed = {
+        m.name: entry(as_tree(m.tree), calibration.predict(as_tree(m.tree)))
+        for m in methods
+        if m.heads is heads
+    }
+    candidates = [
+        entry(as_tree(c.tree), {**vars(c), "tokens_per_second": c.tokens_per_second})
+        for c in calibration.candidates
+    ]
+    record = {
+        "acceptance_per_rank": calibration.acceptance,
+        "verify_ms": {n: 1e3 * s for n, s in calibration.verify_cost.items()},
+        "fixed_trees": fixed,
+        "candidates": candidates,
+    }
+    if not candidates:
+        record["chosen"] = "none: no draft was accepted on the calibration prompts, plain decoding is best"
+        return record, None
+    tree = as_tree(calibration.candidates[0].tree)
+    record["chosen"] = tree_label(tree)
+    return record, Method(label, heads, tree, tree_label="cost model: " + tree_label(tree))
+
+
+def build_methods(
+    model, model_name: str, paths: dict[str, str | None], eagle3_trees=()
+) -> tuple[list[Method], dict, dict]:
+    """The methods to compare, in report order, the loaded heads by name, and the targets by name.
+
+    Args:
+        model: the target ("base").
+        model_name: its name or folder (loaded again and LoRA-merged for Medusa-2).
+        paths: head folders by name ("medusa1", "eagle1", "eagle3"; "medusa2": a run folder holding head/
+            and lora/); None or absent: left out.
+        eagle3_trees: (depth, top_k, total_tokens) of more EAGLE-3 dynamic trees.
+    """
+    loaded = {
+        name: load_heads(paths[name], target=model)
+        for name in ("medusa1", "eagle1", "eagle3")
+        if paths.get(name)
+    }
+    targets = {"base": model}
+    methods = [Method("prompt lookup", kind="lookup", tree_label=f"{PROMPT_LOOKUP_TOKENS} tokens")]
+    if paths.get("medusa2"):
+        targets["medusa2"] = merge_lora(load_target(model_name)[0], Path(paths["medusa2"]) / "lora")
+        loaded["medusa2"] = load_heads(Path(paths["medusa2"]) / "head", target=targets["medusa2"])
+    for name, label, target in (("medusa1", "Medusa-1", "base"), ("medusa2", "Medusa-2", "medusa2")):
+        if name in loaded:
+            tree = [p for p in DEFAULT_TREES["tree16"] if len(p) <= loaded[name].config.num_heads]
+            methods.append(Method(label, loaded[name], tree, target=target, tree_label="static tree16"))
+    dynamic = tree_label(DEFAULT_EAGLE_TREE)
+    if "eagle1" in loaded:
+        methods.append(Method("EAGLE-1", loaded["eagle1"], DEFAULT_EAGLE_TREE, tree_label=dynamic))
+    if "eagle3" in loaded:
+        methods.append(Method("EAGLE-3 static", loaded["eagle3"], "tree8", tree_label=tree_label("tree8")))
+        methods.append(Method("EAGLE-3 dynamic", loaded["eagle3"], DEFAULT_EAGLE_TREE, tree_label=dynamic))
+        for depth, top_k, total in eagle3_trees:
+            tree = DynamicTree(depth=depth, top_k=top_k, total_tokens=total)
+            name = f"EAGLE-3 dynamic {depth}/{top_k}/{total}"
+            methods.append(Method(name, loaded["eagle3"], tree, tree_label=tree_label(tree)))
+    return methods, loaded, targets
+
+
+def rotated(order: list, index: int) -> list:
+    """The run order for prompt `index`: `order` rotated by `index`, so that over len(order) prompts every
+    method runs first once (machine drift hits all alike)."""
+    shift = index % len(order)
+    return order[shift:] + order[:shift]
+
+
+def run_benchmark(
+    tokenizer,
+    targets: dict,
+    methods: list[Method],
+    prompts: dict[str, list[dict]],
+    *,
+    temperatures,
+    max_new_tokens: int,
+    seed: int,
+    layout: dict,
+) -> dict[tuple[str, float, str], Tally]:
+    """{(method, temperature, category or "all"): Tally}. Per temperature, category and prompt, plain decoding
+    of each target and every method run back to back in a rotating order; one untimed warm-up run of each
+    first. At temperature 0 a method whose output differs from plain greedy decoding is named on stderr.
+
+    Args:
+        layout: keyword arguments of `decode.prepare` (pretranspose, int8_draft), the same for every method.
+    """
+    plains = [Method("plain (base)")] + (
+        [Method("plain (medusa2)", target="medusa2")] if "medusa2" in targets else []
+    )
+    order = plains + methods
+
+    def run(method: Method, ids: torch.Tensor, new_tokens: int, temperature: float, seed: int) -> dict:
+        if method.kind == "lookup":
+            return run_lookup(targets[method.target], ids, new_tokens, temperature, seed)
+        return run_ours(targets[method.target], ids, method, new_tokens, temperature, seed, layout)
+
+    warm_ids = prompt_ids(tokenizer, prompts["chat"][0])
+    for method in order:
+        run(method, warm_ids, 8, 0.0, 0)
+    tallies: dict[tuple[str, float, str], Tally] = {}
+    total, done = len(temperatures) * sum(len(v) for v in prompts.values()), 0
+    for temperature in temperatures:
+        for category, rows in prompts.items():
+            for index, row in enumerate(rows):
+                ids = prompt_ids(tokenizer, row)
+                outputs = {
+                    m.name: run(m, ids, max_new_tokens, temperature, seed + index)
+                    for m in rotated(order, index)
+                }
+                for method in methods:
+                    plain = outputs[f"plain ({method.target})"]
+                    for key in ((method.name, temperature, category), (method.name, temperature, "all")):
+                        tallies.setdefault(key, Tally()).add(outputs[method.name], plain)
+                    if temperature == 0 and not torch.equal(
+                        outputs[method.name]["sequences"], plain["sequences"]
+                    ):
+                        print(
+                            f"WARNING: {method.name} on {row['id']} differs from plain greedy decoding",
+                            file=sys.stderr,
+                        )
+                done += 1
+                rates = ", ".join(
+                    f"{m.name} {outputs[m.name]['tokens'] / outputs[m.name]['seconds']:.1f} tok/s"
+                    for m in order
+                )
+                print(
+                    f"[{done}/{total}] T={temperature:g} {category} {row['id']}: {rates}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    return tallies
+
+
+def result_rows(tallies: dict[tuple[str, float, str], Tally], methods: list[Method]) -> list[dict]:
+    """One bench.json row per tally: method, tree label, temperature, category and the pooled summary."""
+    trees = {m.name: m.tree_label for m in methods}
+    return [
+        {
+            "method": name,
+            "tree": trees[name],
+            "temperature": temperature,
+            "category": category,
+            **tally.summary(),
+        }
+        for (name, temperature, category), tally in tallies.items()
+    ]
+
+
+def benchmark(
+    model,
+    tokenizer,
+    model_name: str,
+    paths: dict[str, str | None],
+    prompts: dict[str, list[dict]],
+    calibration_rows: list[dict],
+    *,
+    temperatures=(0.0, 1.0),
+    max_new_tokens: int = 96,
+    repeats: int = 3,
+    seed: int = 0,
+    size_tree: bool = False,
+    eagle3_trees=(),
+    medusa1_nodes=(),
+    pretranspose: bool | None = None,
+    int8_draft: bool | None = None,
+) -> dict:
+    """The whole benchmark (`scripts/bench.py`): build the methods, size the EAGLE-3 and Medusa-1 trees on the
+    calibration prompts (`size_tree`; for Medusa-1 also the best static tree of each of `medusa1_nodes` nodes
+    under the measured acceptance), decode every prompt with every method; returns bench.json's record.
+
+    Args:
+        model, tokenizer, model_name: the target, its tokenizer, and its name or folder.
+        paths: head folders by name, as `build_methods` takes them.
+        prompts, calibration_rows: from `load_prompts`.
+        pretranspose, int8_draft: `decode.prepare`'s options, the same for every method (None: where they
+            help on this device).
+    """
+    methods, loaded, targets = build_methods(model, model_name, paths, eagle3_trees)
+    layout = {"pretranspose": pretranspose, "int8_draft": int8_draft}
+    results: dict = {
+        "model": model_name,
+        "threads": torch.get_num_threads(),
+        "max_new_tokens": max_new_tokens,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "machine": platform.processor() or platform.machine(),
+        "pretransposed": pretranspose is not False,  # where decode.prepare finds it helps
+        "int8_draft": [],  # filled in below: the heads decode.prepare made int8
+        "rows": [],
+        "sizing": {},
+    }
+    # 1. cost-model tree sizing on the calibration prompts (disjoint from the benchmark prompts); the heads
+    # are prepared first, as the benchmark decodes with them
+    for name, label in (("eagle3", "EAGLE-3 sized"), ("medusa1", "Medusa-1 sized")) if size_tree else ():
+        if name not in loaded:
+            continue
+        rows = [prompt_ids(tokenizer, row) for row in calibration_rows]
+        print(f"sizing the {name} tree on {len(rows)} calibration prompts ...", file=sys.stderr, flush=True)
+        prepare(model, loaded[name], None, **layout)
+        sizing = calibrate(
+            model,
+            loaded[name],
+            rows,
+            max_new_tokens=max_new_tokens,
+            verify_sizes=VERIFY_SIZES,
+            repeats=repeats,
+        )
+        results["sizing"][name], method = sizing_record(sizing, methods, loaded[name], label)
+        methods += [method] if method is not None else []
+        for nodes in medusa1_nodes if name == "medusa1" else ():
+            _, best = best_tree(sizing.acceptance, nodes, max_depth=loaded[name].config.num_heads)
+            tree = "measured acceptance: " + tree_label(best)
+            methods.append(Method(f"Medusa-1 {nodes} nodes", loaded[name], best, tree_label=tree))
+    # 2. per temperature, category and prompt: plain, then every method in a rotating order
+    tallies = run_benchmark(
+        tokenizer,
+        targets,
+        methods,
+        prompts,
+        temperatures=temperatures,
+        max_new_tokens=max_new_tokens,
+        seed=seed,
+        layout=layout,
+    )
+    results["int8_draft"] = sorted(name for name, heads in loaded.items() if is_int8_draft(heads))
+    results["rows"] = result_rows(tallies, methods)
+    return results

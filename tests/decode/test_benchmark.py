@@ -1,0 +1,239 @@
+"""decode/benchmark.py without a benchmark run: pooled tallies, prompt-lookup counting, the rotating run
+order, the methods built from head folders and their order, the prompt split, and bench.md rendered from a
+known record."""
+
+import json
+
+import pytest
+import torch
+
+from decode import DEFAULT_EAGLE_TREE, DEFAULT_TREES, DynamicTree
+from decode.bench_report import plots, render
+from decode.benchmark import (
+    Method,
+    Tally,
+    as_tree,
+    build_methods,
+    load_prompts,
+    lookup_counts,
+    result_rows,
+    rotated,
+)
+from heads import EagleConfig, EagleHead, MedusaConfig, MedusaHeads, save_heads
+
+
+def run(tokens: int, seconds: float, steps: int, per_depth: list[int], nodes, sequence: list[int]) -> dict:
+    return {
+        "tokens": tokens,
+        "seconds": seconds,
+        "steps": steps,
+        "emitted": tokens - 1,
+        "per_depth": per_depth,
+        "draft_nodes": nodes,
+        "sequences": torch.tensor([sequence]),
+    }
+
+
+def test_tally_pools_tokens_and_time_over_prompts_and_takes_the_median_of_per_prompt_speedups():
+    tally = Tally()
+    # prompt 1: 9 tokens in 1 s (plain: 9 tokens in 3 s), 4 steps, depth 1 accepted 3 times, depth 2 once
+    tally.add(run(9, 1.0, 4, [3, 1], 12, [1, 2, 3]), run(9, 3.0, 8, [], 0, [1, 2, 3]))
+    # prompt 2: 5 tokens in 1 s (plain: 5 tokens in 1 s), 4 steps, depth 1 accepted twice, a different output
+    tally.add(run(5, 1.0, 4, [2], 8, [1, 2, 4]), run(5, 1.0, 4, [], 0, [1, 2, 3]))
+    summary = tally.summary()
+    assert summary["tau"] == (8 + 4) / 8  # emitted tokens over steps, pooled (not a mean of per-prompt taus)
+    assert summary["acceptance_per_depth"] == [5 / 8, 1 / 5]  # P(d | d - 1), pooled counts
+    assert summary["tokens_per_second"] == 14 / 2 and summary["plain_tokens_per_second"] == 14 / 4
+    assert summary["speedup"] == 2.0  # pooled: (14 / 2) / (14 / 4)
+    assert summary["speedup_median_of_prompts"] == pytest.approx((3.0 + 1.0) / 2)
+    assert summary["draft_nodes_per_step"] == 20 / 8
+    assert summary["tokens"] == 14 and summary["prompts"] == 2 and summary["identical_to_plain"] == 1
+    tally.add(run(5, 1.0, 2, [], None, [1]), run(5, 1.0, 5, [], 0, [1]))  # prompt lookup: nodes unknown
+    assert tally.summary()["draft_nodes_per_step"] is None
+
+
+def test_lookup_counts_leave_out_the_prompt_and_the_prefill_pass():
+    # puts: the 20-token prompt, the prefill pass (2 tokens: one accepted n-gram draft), then three passes
+    counts = lookup_counts([20, 2, 3, 1, 2])
+    assert counts == {
+        "steps": 3,
+        "emitted": 6,
+        "per_depth": [2, 1],
+    }  # passes 3, 1, 2: 2, 0, 1 drafts accepted
+    assert lookup_counts([20, 1]) == {"steps": 0, "emitted": 0, "per_depth": []}
+
+
+def test_rotated_order_puts_every_method_first_once_and_keeps_the_cycle():
+    order = ["plain", "a", "b", "c"]
+    runs = [rotated(order, index) for index in range(8)]
+    assert [r[0] for r in runs[:4]] == order and runs[4:] == runs[:4]
+    for r in runs:
+        start = order.index(r[0])
+        assert r == order[start:] + order[:start]
+
+
+def test_as_tree_resolves_names_and_keeps_dynamic_trees():
+    assert as_tree("tree8") == [tuple(p) for p in DEFAULT_TREES["tree8"]]
+    assert as_tree([[0], [0, 0]]) == [(0,), (0, 0)]
+    assert as_tree(DEFAULT_EAGLE_TREE) is DEFAULT_EAGLE_TREE
+
+
+def test_build_methods_in_report_order(build_target, tmp_path):
+    model = build_target("llama")
+    config = model.config
+    medusa = MedusaHeads(MedusaConfig(config.hidden_size, config.vocab_size, num_heads=2))
+    save_heads(medusa, tmp_path / "medusa1", base_model="tiny", target=model)
+    for kind in ("eagle1", "eagle3"):
+        save_heads(
+            EagleHead(EagleConfig.from_target(config, kind)), tmp_path / kind, base_model="tiny", target=model
+        )
+    paths = {name: tmp_path / name for name in ("medusa1", "eagle1", "eagle3")} | {"medusa2": None}
+    methods, loaded, targets = build_methods(model, "tiny", paths, [(3, 2, 5)])
+    assert [m.name for m in methods] == [
+        "prompt lookup",
+        "Medusa-1",
+        "EAGLE-1",
+        "EAGLE-3 static",
+        "EAGLE-3 dynamic",
+        "EAGLE-3 dynamic 3/2/5",
+    ]
+    assert list(loaded) == ["medusa1", "eagle1", "eagle3"] and targets == {"base": model}
+    assert methods[0].kind == "lookup" and methods[0].heads is None
+    assert methods[1].tree == [p for p in DEFAULT_TREES["tree16"] if len(p) <= 2]  # cut to the heads' depth
+    assert methods[5].tree == DynamicTree(depth=3, top_k=2, total_tokens=5)
+    assert methods[5].tree_label == "dynamic(depth=3, top_k=2, total=5)"
+
+
+def test_load_prompts_splits_categories_and_keeps_calibration_apart(tmp_path):
+    rows = [{"id": f"c{i}", "source": "chitchat", "messages": []} for i in range(5)]
+    rows += [{"id": f"i{i}", "source": "alpaca_en_demo", "messages": []} for i in range(3)]
+    (tmp_path / "prompts_eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code = [{"id": f"HumanEval/{i}", "source": "humaneval", "messages": []} for i in range(3)]
+    (tmp_path / "prompts_code_eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in code))
+    prompts, calibration = load_prompts(tmp_path, 2, 2)
+    assert {k: [r["id"] for r in v] for k, v in prompts.items()} == {
+        "chat": ["c0", "c1"],
+        "instruction": ["i0", "i1"],
+        "code": ["HumanEval/0", "HumanEval/1"],
+    }
+    assert [r["id"] for r in calibration] == ["c3", "c4"]
+    with pytest.raises(SystemExit, match="--prompts 4 \\+ --calibration-prompts 2 exceed the 5 chat prompts"):
+        load_prompts(tmp_path, 4, 2)
+
+
+def summary(tau: float, speedup: float, identical: int) -> dict:
+    return {
+        "tau": tau,
+        "acceptance_per_depth": [0.5, 0.25],
+        "tokens_per_second": 20.0,
+        "plain_tokens_per_second": 10.0,
+        "speedup": speedup,
+        "speedup_median_of_prompts": speedup,
+        "draft_nodes_per_step": 4.0,
+        "tokens": 40,
+        "prompts": 2,
+        "identical_to_plain": identical,
+    }
+
+
+RECORD = {
+    "command": "python scripts/bench.py --prompts 2",
+    "model": "tiny",
+    "threads": 2,
+    "max_new_tokens": 16,
+    "torch": "2.x",
+    "transformers": "5.x",
+    "machine": "x86_64",
+    "pretransposed": True,
+    "int8_draft": ["eagle3"],
+    "rows": [
+        {
+            "method": "EAGLE-3 dynamic",
+            "tree": "dyn",
+            "temperature": 1.0,
+            "category": c,
+            **summary(2.5, 1.5, 0),
+        }
+        for c in ("chat", "all")
+    ]
+    + [
+        {
+            "method": "EAGLE-3 dynamic",
+            "tree": "dyn",
+            "temperature": 0.0,
+            "category": c,
+            **summary(3.0, 2.0, 2),
+        }
+        for c in ("chat", "all")
+    ],
+    "sizing": {
+        "eagle3": {
+            "acceptance_per_rank": [[0.6, 0.2], [0.4]],
+            "verify_ms": {"1": 10.0, "8": 20.0},
+            "fixed_trees": {
+                "EAGLE-3 dynamic": {
+                    "tree": "dyn",
+                    "expected_tokens": 2.0,
+                    "verify_ms": 15.0,
+                    "propose_ms": 3.0,
+                    "predicted_speedup": 1.1,
+                }
+            },
+            "candidates": [
+                {
+                    "tree": "best",
+                    "draft_nodes": 4,
+                    "expected_tokens": 2.5,
+                    "verify_ms": 14.0,
+                    "propose_ms": 2.0,
+                    "predicted_speedup": 1.56,
+                }
+            ],
+            "chosen": "best",
+        }
+    },
+}
+
+
+def test_render_of_a_known_record():
+    text = render(RECORD)
+    assert text.startswith(
+        "Command: `python scripts/bench.py --prompts 2`\n\nTarget tiny, fp32, 2 threads, 16 new"
+    )
+    assert "Linear weights pretransposed for multi-token passes, int8 draft heads (EAGLE fc in fp32)." in text
+    t1, t0 = text.index("### Temperature 1: tau / speedup"), text.index("### Temperature 0: tau / speedup")
+    assert t1 < t0  # tables in the order of the rows (the order of --temperatures)
+    header = (
+        "| method | tree | chat | instruction | code | all | tok/s (all) | plain tok/s (all) | "
+        "acceptance per depth (all) | same as plain |"
+    )
+    assert text.count(header) == 2
+    lines = text.splitlines()
+    cells = "| EAGLE-3 dynamic | dyn | {0} | {0} | 20.0 | 10.0 | 0.50 0.25 | {1} |"
+    assert cells.format("3.00 / 2.00x (2.00x)", "2/2") in lines  # T=0: outputs compared with plain
+    assert cells.format("2.50 / 1.50x (1.50x)", "n/a") in lines
+    assert "Verify cost C_T(n) ms: n=1: 10.0, n=8: 20.0" in text
+    assert "Acceptance per (depth, rank), calibration prompts: d1: 0.60 0.20; d2: 0.40" in text
+    assert "Chosen tree: **best**" in text
+    assert "| EAGLE-3 dynamic (fixed default): dyn | 2.00 | 15.0 | 3.0 | 1.10x |" in lines
+    assert "| **chosen**: best | 2.50 | 14.0 | 2.0 | 1.56x |" in lines
+    fp32 = render({**RECORD, "pretransposed": False, "int8_draft": [], "sizing": {}})
+    assert "Linear weights as loaded, fp32 draft heads." in fp32 and "Cost-model" not in fp32
+
+
+def test_result_rows_follow_the_tallies_and_carry_the_tree_labels():
+    tally = Tally()
+    tally.add(run(3, 1.0, 2, [1], 2, [1]), run(3, 1.0, 3, [], 0, [1]))
+    methods = [Method("b", tree_label="tree b"), Method("a", tree_label="tree a")]
+    rows = result_rows({("a", 0.0, "chat"): tally, ("b", 0.0, "all"): tally}, methods)
+    assert [(r["method"], r["tree"], r["category"]) for r in rows] == [
+        ("a", "tree a", "chat"),
+        ("b", "tree b", "all"),
+    ]
+    assert rows[0]["tau"] == 1.0 and rows[0]["temperature"] == 0.0
+
+
+def test_plots_are_written(tmp_path):
+    pytest.importorskip("matplotlib")
+    assert plots(RECORD, tmp_path) == ["acceptance.png", "speedup_vs_tree.png"]
+    assert all((tmp_path / name).stat().st_size > 0 for name in ("acceptance.png", "speedup_vs_tree.png"))

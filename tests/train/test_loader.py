@@ -1,0 +1,77 @@
+"""What a run loads (train/loader.py): the target at the configured revision, the data files a pattern names,
+the steps of an epoch, and each epoch's batches in an order a resumed run repeats."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from datasets import Dataset
+
+import train.loader
+from train.config import EagleRunConfig, MedusaRunConfig, TrainConfig, load_config
+from train.distributed import make_accelerator
+from train.loader import epoch_loader, expand_files, steps_per_epoch, total_steps
+
+TINY_YAML = Path(__file__).resolve().parents[2] / "configs" / "tiny_test.yaml"
+SHORT = ["train.max_steps=2", "train.eval_tau_prompts=0", "data.eval_fraction=0", "train.save_every_steps=0"]
+
+
+@pytest.mark.parametrize("recipe, cls", [("eagle", EagleRunConfig), ("medusa", MedusaRunConfig)])
+def test_model_revision_reaches_the_target_load(recipe, cls, tmp_path, overrides, monkeypatch, run_recipe):
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def recording_load(name, **kwargs):
+        seen.update(kwargs, name=name)
+        raise Stop
+
+    monkeypatch.setattr(train.loader, "load_target", recording_load)
+    with pytest.raises(Stop):
+        run_recipe(overrides(tmp_path, *SHORT, "model.revision=v1.2-pinned"), recipe)
+    assert seen["revision"] == "v1.2-pinned" and seen["name"] == str(
+        load_config(cls, TINY_YAML, overrides(tmp_path)).model.target
+    )
+
+
+def test_expand_files_sorts_each_pattern_and_names_one_that_matches_nothing(tmp_path):
+    for name in ("b.jsonl", "a.jsonl", "c.txt"):
+        (tmp_path / name).write_text("")
+    plain = str(tmp_path / "c.txt")
+    assert expand_files([str(tmp_path / "*.jsonl"), plain]) == [
+        str(tmp_path / "a.jsonl"),
+        str(tmp_path / "b.jsonl"),
+        plain,
+    ]
+    with pytest.raises(FileNotFoundError, match=r"pattern '.*/\*\.json' matches no file"):
+        expand_files([str(tmp_path / "*.json")])
+
+
+def test_steps_drop_the_last_partial_global_batch(tmp_path):
+    train = TrainConfig(output_dir=str(tmp_path), per_device_batch_size=2, gradient_accumulation_steps=3)
+    rows = Dataset.from_dict({"input_ids": [[1]] * 13})
+    assert steps_per_epoch(rows, train, num_processes=1) == 2  # 13 // (2 x 3)
+    assert steps_per_epoch(rows, train, num_processes=2) == 1
+    with pytest.raises(ValueError, match="13 training rows are fewer than one global batch of 18"):
+        steps_per_epoch(rows, train, num_processes=3)
+    assert total_steps(train, per_epoch=2) == 2  # num_epochs 1
+    assert total_steps(TrainConfig(output_dir=str(tmp_path), max_steps=7), per_epoch=2) == 7
+
+
+def test_epoch_order_is_seeded_per_epoch_and_a_resumed_epoch_skips_what_was_done(
+    tmp_path, overrides, fresh_accelerate
+):
+    cfg = load_config(EagleRunConfig, TINY_YAML, overrides(tmp_path))
+    accelerator = make_accelerator(cfg.train)
+    rows = Dataset.from_dict({"input_ids": [[i] for i in range(10)], "loss_mask": [[1]] * 10})
+
+    def order(epoch: int, skip: int = 0) -> list[int]:
+        loader = epoch_loader(rows, cfg.train, cfg.data, epoch, 0, accelerator, skip_batches=skip)
+        return [int(i) for batch in loader for i in batch["input_ids"][:, 0]]
+
+    first = order(0)
+    assert sorted(first) == list(range(10)) and first != list(range(10))  # shuffled, every row once
+    assert order(0) == first and order(1) != first  # the same order again; another one next epoch
+    assert order(0, skip=2) == first[4:]  # batches of 2: a run resumed after 2 batches sees the rest

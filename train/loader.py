@@ -1,0 +1,103 @@
+"""What a run loads: the target (whole on every rank unless it trains), the train and eval sets, and each
+epoch's batches in a seeded order that a resumed run repeats."""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+
+import torch
+from accelerate import Accelerator
+from datasets import Dataset
+from torch.utils.data import DataLoader
+
+from heads.target import load_target
+from train.config import TORCH_DTYPES, DataConfig, ModelConfig, TrainConfig
+from train.data import build_dataset, collate, split_eval
+from train.distributed import whole_on_every_rank
+
+
+def load_frozen_target(model: ModelConfig, accelerator: Accelerator, whole: bool = True):
+    """The target and tokenizer as `model` says (dtype, attention, hub revision), loaded straight onto this
+    rank's device. `whole`: keep it unsharded on every rank even under ZeRO-3 (a frozen target is replicated;
+    Medusa-2's LoRA-adapted target instead joins the trained module and may be sharded)."""
+    with whole_on_every_rank(accelerator) if whole else contextlib.nullcontext():
+        return load_target(
+            model.target,
+            dtype=TORCH_DTYPES[model.dtype],
+            attn_implementation=model.attn_implementation,
+            device=accelerator.device,
+            revision=model.revision,
+        )
+
+
+def expand_files(patterns: list[str]) -> list[str]:
+    """Files named by paths or glob patterns (e.g. data/smollm2/regen/*.jsonl), sorted per pattern."""
+    files = []
+    for pattern in patterns:
+        matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
+        if not matches:
+            raise FileNotFoundError(f"data file pattern {pattern!r} matches no file")
+        files += matches
+    return files
+
+
+def load_datasets(data: DataConfig, tokenizer, accelerator: Accelerator) -> tuple[Dataset, Dataset | None]:
+    """(train, eval) datasets, rendered with the target's chat template and masked to assistant tokens."""
+    with accelerator.main_process_first():
+        train_set, report = build_dataset(
+            expand_files(data.train_files), tokenizer, data.max_length, data.max_bad_fraction
+        )
+        accelerator.print(f"train data: {report}")
+        eval_set = None
+        if data.eval_files:
+            eval_set, eval_report = build_dataset(
+                expand_files(data.eval_files), tokenizer, data.max_length, data.max_bad_fraction
+            )
+            accelerator.print(f"eval data: {eval_report}")
+        elif data.eval_fraction > 0:
+            train_set, eval_set = split_eval(train_set, data.eval_fraction, data.shuffle_seed)
+    if len(train_set) == 0:
+        raise ValueError(f"no usable training rows in {data.train_files}")
+    return train_set, eval_set
+
+
+def steps_per_epoch(dataset: Dataset, train: TrainConfig, num_processes: int) -> int:
+    """Optimizer steps in one pass over `dataset` (the last partial global batch is dropped)."""
+    global_batch = train.per_device_batch_size * train.gradient_accumulation_steps * num_processes
+    steps = len(dataset) // global_batch
+    if steps == 0:
+        raise ValueError(f"{len(dataset)} training rows are fewer than one global batch of {global_batch}")
+    return steps
+
+
+def total_steps(train: TrainConfig, per_epoch: int) -> int:
+    """Optimizer steps of the whole run: `train.max_steps`, or `train.num_epochs` epochs of `per_epoch`."""
+    return train.max_steps if train.max_steps > 0 else per_epoch * train.num_epochs
+
+
+def epoch_loader(
+    dataset: Dataset,
+    train: TrainConfig,
+    data: DataConfig,
+    epoch: int,
+    pad_id: int,
+    accelerator: Accelerator,
+    skip_batches: int = 0,
+    collate_fn=None,
+) -> DataLoader:
+    """This epoch's batches: a seeded shuffle (same order on every rank and on resume), sharded by accelerate.
+    `collate_fn` replaces the default padding collate (offline hidden states build their own batches)."""
+    ordered = dataset.shuffle(seed=data.shuffle_seed + epoch)
+    # Its own generator: each new iterator draws a base seed from `generator`, by default the global RNG,
+    # and a resumed run starts one more iterator than an uninterrupted one: its noise would differ after it.
+    loader = DataLoader(
+        ordered,
+        batch_size=train.per_device_batch_size,
+        shuffle=False,
+        drop_last=True,
+        collate_fn=collate_fn or (lambda rows: collate(rows, pad_id)),
+        generator=torch.Generator().manual_seed(data.shuffle_seed + epoch),
+    )
+    loader = accelerator.prepare_data_loader(loader)
+    return accelerator.skip_first_batches(loader, skip_batches) if skip_batches else loader
