@@ -21,6 +21,7 @@ from train.prompts import (
     LLAMAFACTORY,
     chitchat_prompts,
     deduplicate,
+    drop_near_duplicates,
     fetch,
     human_eval_prompts,
     llamafactory_prompts,
@@ -43,6 +44,8 @@ def main() -> None:
     chats = llamafactory_prompts(fetch(*LLAMAFACTORY)) + chitchat_prompts(fetch(*CHITCHAT))
     by_source, counts = deduplicate(chats, entry_points)
     train, held_out, sizes = split(by_source, args.eval_fraction, args.seed)
+    # no training prompt repeats a held-out or HumanEval prompt, exactly or nearly (same order otherwise)
+    train, near = drop_near_duplicates(train, held_out + code_rows)
 
     args.out.mkdir(parents=True, exist_ok=True)
     files = {
@@ -52,12 +55,12 @@ def main() -> None:
     }
     for name, rows in files.items():
         write_jsonl(args.out / name, rows)
-    print(f"{'source':<26}{'read':>7}{'dup':>7}{'empty':>7}{'leak':>7}{'train':>7}{'eval':>7}")
+    print(f"{'source':<26}{'read':>7}{'dup':>7}{'empty':>7}{'leak':>7}{'near':>7}{'train':>7}{'eval':>7}")
     for source, c in counts.items():
         c |= sizes.get(source, {})
         print(
             f"{source:<26}{c['read']:>7}{c['duplicate']:>7}{c['empty']:>7}{c['humaneval']:>7}"
-            f"{c.get('train', 0):>7}{c.get('eval', 0):>7}"
+            f"{near.get(source, 0):>7}{c.get('train', 0) - near.get(source, 0):>7}{c.get('eval', 0):>7}"
         )
     print(f"{'humaneval (code eval)':<26}{len(code_rows):>7}")
     for name, rows in files.items():

@@ -5,7 +5,7 @@ the tree the cost model of decode/sizing.py picks for this head on this machine)
     python scripts/quickstart.py [--prompts 48] [--steps 100] [--max-new-tokens 64]
 
 Each stage runs the project's own command (printed first) and is reused when its output exists: the
-committed self-distilled set data/smollm2/regen (2,048 chats, rebuilt by the command in data/SOURCES.md) is
+committed self-distilled set data/smollm2/regen (2,039 chats, rebuilt by the command in data/SOURCES.md) is
 used when present, else --prompts prompts are regenerated (resumably) into it; a finished head under
 runs/quickstart/head is kept. The head's hyperparameters are configs/quickstart.yaml. The defaults are sized
 for a 2-core CPU: a head trained this briefly on this little data is weak, so expect a tau well below the

@@ -149,6 +149,83 @@ def deduplicate(rows: list[dict], entry_points: list[str]) -> tuple[dict[str, li
     return by_source, counts
 
 
+def _prompt_words(row: dict) -> list[str]:
+    """The lower-cased words of a row's prompt: every turn but the assistant's (a regenerated chat's reply is
+    the target's own text, not the prompt)."""
+    return re.findall(
+        r"\w+", " ".join(m["content"] for m in row["messages"] if m["role"] != "assistant").lower()
+    )
+
+
+def _shingles(words: list[str], n: int) -> set[tuple[str, ...]]:
+    return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
+
+
+def near_duplicates(
+    rows: list[dict],
+    references: list[dict],
+    *,
+    n: int = 3,
+    jaccard: float = 0.5,
+    containment: float = 0.8,
+    min_shingles: int = 4,
+) -> list[tuple[str, str, str]]:
+    """Rows whose prompt repeats a reference prompt exactly or nearly, for keeping evaluation prompts out of
+    training.
+
+    Exact: the same words (`normalise`, case and punctuation ignored). Near: both prompts have at least
+    `min_shingles` word `n`-grams and they share at least `jaccard` of their union or `containment` of the
+    smaller set (one prompt inside a longer one, e.g. a greeting line added). Shorter prompts count only when
+    exact: "how are you doing?" and "how are you doing today?" are not one prompt. Assistant turns are left
+    out of the comparison.
+
+    Returns:
+        (row id, reference id, "exact" or "near (jaccard J, containment C)") for every matching pair.
+    """
+    exact: dict[str, list[str]] = {}
+    index: dict[tuple[str, ...], set[int]] = {}
+    shingles = []
+    for i, ref in enumerate(references):
+        words = _prompt_words(ref)
+        if words:
+            exact.setdefault(" ".join(words), []).append(ref["id"])
+        grams = _shingles(words, n)
+        shingles.append(grams)
+        for gram in grams if len(grams) >= min_shingles else ():
+            index.setdefault(gram, set()).add(i)
+    found = []
+    for row in rows:
+        words = _prompt_words(row)
+        same = exact.get(" ".join(words), []) if words else []
+        found += [(row["id"], ref_id, "exact") for ref_id in same]
+        grams = _shingles(words, n)
+        if len(grams) < min_shingles:
+            continue
+        shared: dict[int, int] = {}
+        for gram in grams:
+            for i in index.get(gram, ()):
+                shared[i] = shared.get(i, 0) + 1
+        for i, common in sorted(shared.items()):
+            ref_id = references[i]["id"]
+            if ref_id in same:
+                continue
+            j, c = common / len(grams | shingles[i]), common / min(len(grams), len(shingles[i]))
+            if j >= jaccard or c >= containment:
+                found.append((row["id"], ref_id, f"near (jaccard {j:.2f}, containment {c:.2f})"))
+    return found
+
+
+def drop_near_duplicates(train: list[dict], references: list[dict]) -> tuple[list[dict], dict[str, int]]:
+    """`train` without the rows `near_duplicates` matches to a reference (held-out or benchmark prompts),
+    in the same order, and per source how many went."""
+    hits = {row_id for row_id, _, _ in near_duplicates(train, references)}
+    dropped: dict[str, int] = {}
+    for row in train:
+        if row["id"] in hits:
+            dropped[row["source"]] = dropped.get(row["source"], 0) + 1
+    return [row for row in train if row["id"] not in hits], dropped
+
+
 def split(
     by_source: dict[str, list[dict]], eval_fraction: float, seed: int
 ) -> tuple[list[dict], list[dict], dict[str, dict]]:

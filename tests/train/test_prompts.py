@@ -1,11 +1,14 @@
 """train/prompts.py on small archives built here (no PyPI): the readers of the three sources, deduplication
-(empty, HumanEval leaks, repeats up to case and punctuation) and the seeded held-out split."""
+(empty, HumanEval leaks, repeats up to case and punctuation), the seeded held-out split and near-duplicate
+detection; and the committed data: no training prompt or regenerated chat repeats an evaluation prompt."""
 
 import gzip
 import io
 import json
+import re
 import tarfile
 import zipfile
+from pathlib import Path
 
 import pytest
 
@@ -13,8 +16,10 @@ from train.prompts import (
     LLAMAFACTORY_SETS,
     chitchat_prompts,
     deduplicate,
+    drop_near_duplicates,
     human_eval_prompts,
     llamafactory_prompts,
+    near_duplicates,
     normalise,
     read_member,
     split,
@@ -130,3 +135,56 @@ def test_split_holds_out_a_seeded_fraction_of_every_source():
     again = split(sources(), 0.1, seed=0)
     assert (again[0], again[1]) == (train, held_out)  # reproducible
     assert split(sources(), 0.1, seed=1)[1] != held_out
+
+
+DATA = Path(__file__).resolve().parents[2] / "data" / "smollm2"
+
+
+def chat(row_id: str, *turns: str, reply: str | None = None, source: str = "chitchat") -> dict:
+    messages = [{"role": "user", "content": t} for t in turns]
+    messages += [{"role": "assistant", "content": reply}] if reply is not None else []
+    return {"id": row_id, "source": source, "messages": messages}
+
+
+def test_near_duplicates_find_reworded_contained_and_exact_prompts_only():
+    refs = [
+        chat("e/usd", "Hi, I need to convert 1000 USD to Euros. Can you help me with that?"),
+        chat("e/friend", "Hello", "My best friend knows pretty much everything about me."),
+        chat("e/greeting", "How are you doing today?"),
+    ]
+    rows = [
+        chat("t/dollars", "Hi, I need to convert 1000 US dollars to Euros. Can you help me with that?"),
+        chat("t/longer", "My best friend knows pretty much everything about me. I don't have a lot to hide."),
+        chat("t/exact", "how are you doing TODAY"),
+        chat("t/short", "how are you doing?"),  # 2 trigrams: too short to call near, not exact
+        chat("t/other", "Hi, I need to book a table for two at an Italian place tonight."),
+        chat("t/reply", "What is the capital of France?", reply="convert 1000 USD to Euros can you help me"),
+    ]
+    found = {(row, ref): how for row, ref, how in near_duplicates(rows, refs)}
+    assert set(found) == {("t/dollars", "e/usd"), ("t/longer", "e/friend"), ("t/exact", "e/greeting")}
+    assert found[("t/exact", "e/greeting")] == "exact"
+    assert re.fullmatch(r"near \(jaccard 0\.\d\d, containment 0\.\d\d\)", found[("t/dollars", "e/usd")])
+    kept, dropped = drop_near_duplicates(rows, refs)
+    assert [r["id"] for r in kept] == ["t/short", "t/other", "t/reply"] and dropped == {"chitchat": 3}
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def test_committed_training_data_holds_no_evaluation_prompt():
+    """Every training prompt and every regenerated chat against every prompt a benchmark or evaluation
+    decodes (data/smollm2/prompts_eval.jsonl, HumanEval), exactly and nearly, and against HumanEval's
+    function names. A failure lists the pairs: drop those rows (scripts/prepare_data.py does for the pool)."""
+    evaluation = _jsonl(DATA / "prompts_eval.jsonl") + _jsonl(DATA / "prompts_code_eval.jsonl")
+    training = _jsonl(DATA / "prompts_train.jsonl")
+    shards = sorted(DATA.glob("regen*/shard-*.jsonl"))
+    assert len(evaluation) > 400 and len(training) > 5000 and len(shards) >= 10  # the files are all read
+    regenerated = [row for shard in shards for row in _jsonl(shard)]
+    pairs = near_duplicates(training + regenerated, evaluation)
+    assert not pairs, "training rows repeating evaluation prompts:\n" + "\n".join(map(str, pairs[:20]))
+    # HumanEval's prompt ends with the function to complete (earlier defs are helpers)
+    entry_points = [re.findall(r"def (\w+)\(", r["messages"][0]["content"])[-1] for r in evaluation[-164:]]
+    leak = re.compile(rf"def (?:{'|'.join(entry_points)})\(")
+    spelled = [r["id"] for r in training + regenerated if leak.search(r["messages"][0]["content"])]
+    assert not spelled, f"training prompts writing out a HumanEval function: {spelled[:20]}"
