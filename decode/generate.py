@@ -35,13 +35,10 @@ class GenerateOutput:
     # acceptance counts are taken before the EOS / max_new_tokens cut: they describe
     # the drafter, tau the output
     accepted_per_depth: list[int] = field(default_factory=list)  # steps whose depth-d draft was accepted
-    accepted_ranks: list[list[int]] = field(
-        default_factory=list
-    )  # [d-1][r]: steps accepting a rank-r node at depth d
-    offered_ranks: list[list[int]] = field(
-        default_factory=list
-    )  # [d-1][r]: steps offering a rank-r child below
-    #                                                                the accepted depth-(d-1) node
+    # [d-1][r]: steps accepting a rank-r node at depth d
+    accepted_ranks: list[list[int]] = field(default_factory=list)
+    # [d-1][r]: steps offering a rank-r child below the accepted depth-(d-1) node
+    offered_ranks: list[list[int]] = field(default_factory=list)
     draft_nodes: int = 0  # draft tokens proposed over all steps (root excluded)
     seconds: float = 0.0
     stopped_at_eos: bool = False

@@ -156,11 +156,12 @@ def _random_tree(n: int, vocab_size: int, generator: torch.Generator, device: to
         ranks.append(seen.get(parent, 0))
         seen[parent] = ranks[-1] + 1
     tokens = torch.randint(0, vocab_size, (n,), generator=generator)
+    # on the target's device: no upload when timed
     return DraftTree(
         tokens=tokens.to(device),
         parents=torch.tensor(parents, device=device),
         ranks=torch.tensor(ranks, device=device),
-    )  # on the target's device: no upload when timed
+    )
 
 
 def bench_verify(model, tokenizer, repeats: int) -> list[dict]:

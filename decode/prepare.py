@@ -96,10 +96,8 @@ def quantize_draft(heads: nn.Module, target: nn.Module | None = None) -> nn.Modu
             raise ValueError(f"these {type(heads).__name__} project with the target's lm_head: pass target=")
         shared = target.get_output_embeddings()
         plain = nn.Linear(shared.in_features, shared.out_features, bias=shared.bias is not None)
-        plain.weight, plain.bias = (
-            shared.weight,
-            shared.bias,
-        )  # the target's tensors, read once by the quantizer
+        # the target's tensors, read once by the quantizer
+        plain.weight, plain.bias = shared.weight, shared.bias
         holder = nn.Sequential(plain)
         int8_linears(holder)
         object.__setattr__(heads, DRAFT_LM_HEAD, holder[0])  # not a submodule: stays out of state_dict()

@@ -40,9 +40,8 @@ def draw_children(
     logits = logits.float().reshape(-1, logits.shape[-1])
     k = min(k, logits.shape[-1])
     if temperature == 0:
-        top = torch.topk(
-            logits, k
-        )  # log q = logit - logsumexp: the same order without a full log_softmax pass
+        # log q = logit - logsumexp: the same order without a full log_softmax pass
+        top = torch.topk(logits, k)
         return Candidates(top.indices, top.values - torch.logsumexp(logits, dim=-1, keepdim=True), None)
     logq = torch.log_softmax(logits / temperature, dim=-1)
     uniform = torch.rand(logq.shape, generator=generator, device=logq.device).clamp_(1e-20, 1.0)

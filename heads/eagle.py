@@ -215,9 +215,8 @@ class EagleHead(nn.Module):
             self.norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
             self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
             vd, v = config.draft_vocab_size, config.vocab_size
-            self.register_buffer(
-                "d2t", torch.zeros(vd, dtype=torch.long)
-            )  # target_id = draft_id + d2t[draft_id]
+            # target_id = draft_id + d2t[draft_id]
+            self.register_buffer("d2t", torch.zeros(vd, dtype=torch.long))
             t2d = torch.zeros(v, dtype=torch.bool)
             t2d[:vd] = True
             self.register_buffer("t2d", t2d)

@@ -78,9 +78,8 @@ class MedusaStep(nn.Module):
             if lm_weight == 0:  # heads-only stage: the heads learn, the LoRA weights see zero gradients
                 hidden = hidden.detach() + 0 * hidden
         elif hidden is not None and not torch.is_autocast_enabled(hidden.device.type):
-            hidden = hidden.to(
-                next(self.heads.parameters()).dtype
-            )  # offline fp32 states, DeepSpeed bf16 heads
+            # offline fp32 states, DeepSpeed bf16 heads
+            hidden = hidden.to(next(self.heads.parameters()).dtype)
         elif hidden is None:  # Medusa-1 online: the decoder only (its output is after the final norm); the
             with torch.no_grad():  # full-vocabulary logits of the target are never read
                 hidden = self.base.get_decoder()(input_ids=input_ids, attention_mask=attention_mask)[0]

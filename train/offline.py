@@ -129,10 +129,11 @@ def dump_hidden_states(
             for start in range(0, len(order), batch_size):
                 chunk = order[start : start + batch_size]
                 batch = collate([rows[i] for i in chunk], pad_token_id=0)  # right-padded
+                # tokens' states as alone
                 decoder(
                     input_ids=batch["input_ids"].to(target.device),  # causal attention leaves the real
                     attention_mask=batch["attention_mask"].to(target.device),
-                )  # tokens' states as alone
+                )
                 states = capture.features().to(dtype).cpu()  # (B, T, len(taps) * H)
                 for b, i in enumerate(chunk):
                     n = len(rows[i]["input_ids"])  # each example's own rows, without the padding

@@ -11,6 +11,7 @@ import torch
 from datasets import Dataset
 from torch import nn
 
+from decode.timing import synchronize
 from heads import FeatureCapture
 from train.config import EagleTrainConfig, MedusaTrainConfig
 from train.eagle import EagleStep, draft_vocab_rows, new_head, target_pass
@@ -31,13 +32,15 @@ def synthetic_batches(
     return batches
 
 
-def timed(fn: Callable[[dict], object], batches: Sequence[dict]) -> list[float]:
-    """Seconds of `fn` on each batch after the first (a warm-up)."""
+def timed(fn: Callable[[dict], object], batches: Sequence[dict], device="cpu") -> list[float]:
+    """Seconds of `fn` on each batch after the first (a warm-up), the work on `device` finished (CUDA)."""
     fn(batches[0])
     times = []
     for batch in batches[1:]:
+        synchronize(device)
         start = time.perf_counter()
         fn(batch)
+        synchronize(device)
         times.append(time.perf_counter() - start)
     return times
 
@@ -59,7 +62,7 @@ def step_times(
     def floor(batch: dict) -> None:
         target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
 
-    rows = [("target forward alone (floor)", timed(floor, batches))]
+    rows = [("target forward alone (floor)", timed(floor, batches, target.device))]
     token_rows = Dataset.from_dict(
         {key: [row.tolist() for batch in batches for row in batch[key]] for key in ("input_ids", "loss_mask")}
     )
@@ -81,7 +84,7 @@ def step_times(
                 name = f"EAGLE-3 online (TTT {cfg.ttt_steps}, Vd {head.config.draft_vocab_size})"
             else:
                 name = "EAGLE-1 online"
-            rows.append((name, timed(eagle_step, batches)))
+            rows.append((name, timed(eagle_step, batches, target.device)))
     heads = new_heads(medusa, target)
     step = MedusaStep(heads, target, medusa)  # Medusa-1: the decoder alone, no grad; the heads' loss
     optimizer = torch.optim.AdamW(heads.parameters(), lr=1e-3)
@@ -93,7 +96,12 @@ def step_times(
         optimizer.zero_grad()
 
     lm_heads = "shared lm_head" if medusa.share_lm_head else "own lm_heads"
-    rows.append((f"Medusa-1 online ({medusa.num_heads} heads, {lm_heads})", timed(medusa_step, batches)))
+    rows.append(
+        (
+            f"Medusa-1 online ({medusa.num_heads} heads, {lm_heads})",
+            timed(medusa_step, batches, target.device),
+        )
+    )
     return rows
 
 

@@ -90,9 +90,8 @@ def test_bench_runs_every_method_and_writes_reports(tmp_path, tiny_target_dir, h
     ]
     assert json.loads((out / "bench.json").read_text())["rows"] == results["rows"]
     assert results["pretransposed"] and "Linear weights pretransposed" in printed
-    assert results["int8_draft"] == (
-        ["eagle1", "eagle3", "medusa1", "medusa2"] if X86_INT8 else []
-    )  # the default
+    # the default
+    assert results["int8_draft"] == (["eagle1", "eagle3", "medusa1", "medusa2"] if X86_INT8 else [])
     methods = {r["method"] for r in results["rows"]}
     assert {
         "prompt lookup",

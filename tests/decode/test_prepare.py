@@ -92,9 +92,8 @@ def test_a_second_call_with_another_tree_only_repacks(build_target, monkeypatch)
     assert added == [0, 0]  # target and head: no new copies
     assert {name: (m, transposed_weight(m)) for name, m in _linears(target).items()} == layers
     assert dict(head.named_modules()) == head_layers  # the same int8 layers
-    assert (
-        packed_rows(target) == verify_rows("tree16") == 17 and packed_rows(head) is None
-    )  # static: unpacked
+    # static: unpacked
+    assert packed_rows(target) == verify_rows("tree16") == 17 and packed_rows(head) is None
     assert packed_weight(layers["lm_head"][0]) is not packed
 
 

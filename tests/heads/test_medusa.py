@@ -69,9 +69,8 @@ def test_init_from_lm_head_copies_into_every_head():
     heads.init_from_lm_head(lm_head.weight)
     for proj in heads.lm_heads:
         assert torch.equal(proj.weight, lm_head.weight)
-        assert (
-            proj.weight.data_ptr() != lm_head.weight.data_ptr()
-        )  # a copy: training must not touch the target
+        # a copy: training must not touch the target
+        assert proj.weight.data_ptr() != lm_head.weight.data_ptr()
     with pytest.raises(ValueError, match=r"\(64, 32\)"):
         heads.init_from_lm_head(torch.zeros(64, H))
 

@@ -281,9 +281,8 @@ def test_accelerate_yaml_parses_and_names_a_distributed_type(path):
 
     raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     assert raw["distributed_type"] in {"MULTI_GPU", "DEEPSPEED", "FSDP"}
-    assert not {"mixed_precision", "gradient_accumulation_steps", "gradient_clipping"} & set(
-        raw
-    )  # no hyperparams
+    # no hyperparams
+    assert not {"mixed_precision", "gradient_accumulation_steps", "gradient_clipping"} & set(raw)
     cluster = load_config_from_file(str(path))  # accelerate's own schema: unknown top-level keys raise
     launch_options = {action.dest for action in launch_command_parser()._actions}
     for key in list(cluster.deepspeed_config) + list(cluster.fsdp_config):
@@ -301,9 +300,8 @@ def test_accelerate_yaml_parses_and_names_a_distributed_type(path):
 def test_deepspeed_json_accepted_by_accelerate(stage, monkeypatch):
     from accelerate.utils import DeepSpeedPlugin
 
-    monkeypatch.setenv(
-        "ACCELERATE_CONFIG_DS_FIELDS", "deepspeed_config_file,zero3_init_flag"
-    )  # as the launcher
+    # as the launcher
+    monkeypatch.setenv("ACCELERATE_CONFIG_DS_FIELDS", "deepspeed_config_file,zero3_init_flag")
     plugin = DeepSpeedPlugin(
         hf_ds_config=str(ROOT / "configs" / "deepspeed" / f"zero{stage}.json"), zero3_init_flag=False
     )

@@ -203,12 +203,13 @@ def test_deepspeed_bf16_trains_online_and_from_an_offline_dump(tmp_path, two_ran
 @pytest.mark.parametrize(
     "distributed_type, precision, dtype, refused",
     [
+        # the engine's bf16 head would meet a float32 embedding / lm_head
         (
             "DEEPSPEED",
             "bf16",
             "float32",
             True,
-        ),  # the engine's bf16 head would meet a float32 embedding / lm_head
+        ),
         ("DEEPSPEED", "bf16", "bfloat16", False),
         ("DEEPSPEED", "no", "float32", False),
         ("MULTI_CPU", "bf16", "float32", False),  # autocast reconciles them there

@@ -176,7 +176,8 @@ def test_committed_training_data_holds_no_evaluation_prompt():
     """Every training prompt and every regenerated chat against every prompt a benchmark or evaluation
     decodes (data/smollm2/prompts_eval.jsonl, HumanEval), exactly and nearly, and against HumanEval's
     function names. A failure lists the pairs: drop those rows (scripts/prepare_data.py does for the pool)."""
-    evaluation = _jsonl(DATA / "prompts_eval.jsonl") + _jsonl(DATA / "prompts_code_eval.jsonl")
+    code = _jsonl(DATA / "prompts_code_eval.jsonl")
+    evaluation = _jsonl(DATA / "prompts_eval.jsonl") + code
     training = _jsonl(DATA / "prompts_train.jsonl")
     shards = sorted(DATA.glob("regen*/shard-*.jsonl"))
     assert len(evaluation) > 400 and len(training) > 5000 and len(shards) >= 10  # the files are all read
@@ -184,7 +185,7 @@ def test_committed_training_data_holds_no_evaluation_prompt():
     pairs = near_duplicates(training + regenerated, evaluation)
     assert not pairs, "training rows repeating evaluation prompts:\n" + "\n".join(map(str, pairs[:20]))
     # HumanEval's prompt ends with the function to complete (earlier defs are helpers)
-    entry_points = [re.findall(r"def (\w+)\(", r["messages"][0]["content"])[-1] for r in evaluation[-164:]]
+    entry_points = [re.findall(r"def (\w+)\(", r["messages"][0]["content"])[-1] for r in code]
     leak = re.compile(rf"def (?:{'|'.join(entry_points)})\(")
     spelled = [r["id"] for r in training + regenerated if leak.search(r["messages"][0]["content"])]
     assert not spelled, f"training prompts writing out a HumanEval function: {spelled[:20]}"
