@@ -7,14 +7,21 @@ Writes `messages` rows ({"id", "source", "messages": [system?, user]}) to prompt
 prompts_eval.jsonl (a seeded held-out slice of every chat source, never trained on) and
 prompts_code_eval.jsonl (HumanEval, kept out of training entirely). Prompts are deduplicated across sources
 on lower-cased words (train/prompts.py).
+
+A second pool of code, maths and instruction-task prompts (train/domains.py) goes to
+prompts_train_domains.jsonl and a held-out slice of its code sources to prompts_eval_domains.jsonl; it is
+deduplicated against the first pool, which it leaves byte for byte as it was (the committed regenerated
+shards answer that pool's first rows).
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 from pathlib import Path
 
 from heads.files import write_jsonl
+from train.domains import domain_prompts
 from train.prompts import (
     CHITCHAT,
     HUMAN_EVAL,
@@ -47,11 +54,31 @@ def main() -> None:
     # no training prompt repeats a held-out or HumanEval prompt, exactly or nearly (same order otherwise)
     train, near = drop_near_duplicates(train, held_out + code_rows)
 
+    # the second pool: its own sources, deduplicated behind every first-pool prompt, its own split
+    domains = domain_prompts(args.seed)
+    domain_sources = {row["source"] for row in domains}
+    more, more_counts = deduplicate(chats + domains, entry_points)
+    more = {source: rows for source, rows in more.items() if source in domain_sources}
+    counts |= {source: c for source, c in more_counts.items() if source in domain_sources}
+    # code keeps a held-out slice; generated questions do not: theirs would be the same templates with other
+    # numbers, near-duplicates of every training row of their generator (and no benchmark category asks maths)
+    code = {source: rows for source, rows in more.items() if source.startswith("code_")}
+    generated = {source: rows for source, rows in more.items() if source not in code}
+    train2, held_out2, sizes2 = split(code, args.eval_fraction, args.seed)
+    train_generated, _, sizes_generated = split(generated, 0.0, args.seed)
+    train2 += train_generated
+    random.Random(args.seed).shuffle(train2)
+    sizes |= sizes2 | sizes_generated
+    train2, near2 = drop_near_duplicates(train2, held_out + held_out2 + code_rows)
+    near |= near2
+
     args.out.mkdir(parents=True, exist_ok=True)
     files = {
         "prompts_train.jsonl": train,
         "prompts_eval.jsonl": held_out,
         "prompts_code_eval.jsonl": code_rows,
+        "prompts_train_domains.jsonl": train2,
+        "prompts_eval_domains.jsonl": held_out2,
     }
     for name, rows in files.items():
         write_jsonl(args.out / name, rows)

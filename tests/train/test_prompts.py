@@ -174,13 +174,15 @@ def _jsonl(path: Path) -> list[dict]:
 
 def test_committed_training_data_holds_no_evaluation_prompt():
     """Every training prompt and every regenerated chat against every prompt a benchmark or evaluation
-    decodes (data/smollm2/prompts_eval.jsonl, HumanEval), exactly and nearly, and against HumanEval's
-    function names. A failure lists the pairs: drop those rows (scripts/prepare_data.py does for the pool)."""
+    decodes or holds out (data/smollm2/prompts_eval.jsonl, prompts_eval_domains.jsonl, HumanEval), exactly
+    and nearly, and against HumanEval's function names. A failure lists the pairs: drop those rows
+    (scripts/prepare_data.py does for both pools)."""
     code = _jsonl(DATA / "prompts_code_eval.jsonl")
-    evaluation = _jsonl(DATA / "prompts_eval.jsonl") + code
-    training = _jsonl(DATA / "prompts_train.jsonl")
+    held_out = _jsonl(DATA / "prompts_eval.jsonl") + _jsonl(DATA / "prompts_eval_domains.jsonl")
+    evaluation = held_out + code
+    training = _jsonl(DATA / "prompts_train.jsonl") + _jsonl(DATA / "prompts_train_domains.jsonl")
     shards = sorted(DATA.glob("regen*/shard-*.jsonl"))
-    assert len(evaluation) > 400 and len(training) > 5000 and len(shards) >= 10  # the files are all read
+    assert len(held_out) > 390 and len(code) == 164 and len(training) > 8000 and len(shards) >= 10
     regenerated = [row for shard in shards for row in _jsonl(shard)]
     pairs = near_duplicates(training + regenerated, evaluation)
     assert not pairs, "training rows repeating evaluation prompts:\n" + "\n".join(map(str, pairs[:20]))
