@@ -21,6 +21,7 @@ from train.config import flatten, to_dict
 
 STATE_DIR = "state"
 EXPORT_DIR = "head"
+BEST_DIR = "head_best"  # train.keep_best_tau: the export of the best simulated tau so far
 PROGRESS_FILE = "progress.json"
 
 
@@ -165,9 +166,10 @@ def export_head(
     output_dir: str | Path,
     attr: str = "head",
     state: dict | None = _GATHER,
+    name: str = EXPORT_DIR,
     **save_kwargs,
 ) -> Path:
-    """Write the head-only export `output_dir/head` from the main process (collective: see `gather_head`).
+    """Write the head-only export `output_dir/<name>` from the main process (collective: see `gather_head`).
 
     Args:
         accelerator: the run's accelerator.
@@ -176,12 +178,19 @@ def export_head(
         attr: name of that attribute ("head" for EAGLE, "heads" for Medusa).
         state: what `accelerator.get_state_dict(wrapper)` returned on this rank, when the caller gathered it
             already (ZeRO-3 returns None off the main process); by default it is gathered here.
+        name: the export's folder in `output_dir`: EXPORT_DIR, or BEST_DIR for the best simulated tau.
         save_kwargs: passed to `heads.save_heads` (base_model, base_revision, target, extra).
     """
-    path = Path(output_dir) / EXPORT_DIR
+    path = Path(output_dir) / name
     state = accelerator.get_state_dict(wrapper) if state is _GATHER else state
     head = head_from_state(accelerator, wrapper, state, attr)
     if head is not None:
         save_heads(head, path, **save_kwargs)
     accelerator.wait_for_everyone()
     return path
+
+
+def best_tau(output_dir: str | Path) -> float | None:
+    """The simulated tau recorded in `output_dir/head_best` (None when there is none yet)."""
+    config = Path(output_dir) / BEST_DIR / "config.json"
+    return json.loads(config.read_text()).get("eval_tau") if config.is_file() else None

@@ -28,6 +28,7 @@ DTYPES = tuple(TORCH_DTYPES)
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
 HIDDEN_STATES = ("online", "offline")
 LR_SCHEDULERS = ("cosine", "linear", "constant")
+DISTILL_LOSSES = ("soft_ce", "forward_kl")  # eagle.distill_loss
 REPORT_TO = ("none", "wandb", "tensorboard")
 HALF_PRECISIONS = {"bf16": "bfloat16", "fp16": "float16"}  # train.mixed_precision -> its model.dtype
 MIXED_PRECISIONS = ("no", *HALF_PRECISIONS)
@@ -118,6 +119,8 @@ class TrainConfig:
     # backward (less memory, ~30% more compute); frozen passes keep none
     eval_tau_prompts: int = 0  # held-out prompts of the periodic simulated-tau eval; 0 = off
     eval_tau_new_tokens: int = 64  # new tokens per prompt in that eval (tau counts the bonus token)
+    keep_best_tau: bool = False  # also export the head of the best simulated tau so far to head_best/
+    # (checkpoint selection on the held-out prompts; needs eval_tau_prompts > 0)
 
     def __post_init__(self) -> None:
         _one_of("lr_scheduler", self.lr_scheduler, LR_SCHEDULERS)
@@ -146,6 +149,10 @@ class TrainConfig:
             "eval_tau_new_tokens",
         )
         _require(self.num_epochs > 0 or self.max_steps > 0, "num_epochs or max_steps must be > 0")
+        _require(
+            not self.keep_best_tau or self.eval_tau_prompts > 0,
+            "keep_best_tau selects by the simulated tau: set train.eval_tau_prompts > 0",
+        )
 
 
 @dataclass(kw_only=True)
@@ -155,6 +162,10 @@ class EagleTrainConfig:
     draft_vocab_size: int = 0  # eagle3 draft vocabulary (most frequent training tokens); 0 = full vocab
     ttt_steps: int = 3  # eagle3 training-time-test unroll depth (speculators: 3, SpecForge: 7)
     ttt_decay: float = 0.8  # TTT step i is weighted ttt_decay**i (EAGLE-3)
+    distill_loss: str = "soft_ce"  # eagle3 with a reduced vocabulary: soft_ce = cross-entropy against the
+    # target's distribution renormalised over the draft vocabulary (EAGLE-3, SpecForge); forward_kl = against
+    # the target's full-vocabulary probabilities of those tokens, so positions whose mass lies mostly outside
+    # the draft vocabulary (which the draft can never propose) weigh less
     noise_width: float = 0.2  # uniform noise U(-w/2, w/2) on input features against drift (EAGLE-1)
     feature_loss_weight: float = 1.0  # eagle1 SmoothL1 feature loss weight (EAGLE-1: 1.0); eagle3 has none
     ce_loss_weight: float = 0.1  # eagle1 soft-CE weight (EAGLE-1: 0.1); eagle3's TTT soft-CE is unweighted
@@ -167,6 +178,11 @@ class EagleTrainConfig:
         _at_least(self, 0, "draft_vocab_size", "noise_width", "feature_loss_weight", "ce_loss_weight")
         _at_least(self, 1, "ttt_steps")
         _require(0 < self.ttt_decay <= 1, f"ttt_decay must be in (0, 1], got {self.ttt_decay}")
+        _one_of("distill_loss", self.distill_loss, DISTILL_LOSSES)
+        _require(
+            self.distill_loss == "soft_ce" or self.head_type == "eagle3",
+            f"distill_loss {self.distill_loss!r} is for eagle3 (eagle1 drafts over the full vocabulary)",
+        )
         if self.head_type == "eagle1":  # eagle1 reads the final state and reuses the target's lm_head
             _require(self.aux_layer_ids is None, "aux_layer_ids must be null for eagle1 (eagle3 only)")
             _require(self.draft_vocab_size == 0, "draft_vocab_size must be 0 for eagle1 (eagle3 only)")

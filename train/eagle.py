@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from heads import EagleConfig, EagleHead, FeatureCapture
 from heads.io import load_heads
-from train.checkpoint import export_head, gather_head
+from train.checkpoint import EXPORT_DIR, export_head, gather_head
 from train.config import EagleRunConfig, EagleTrainConfig, load_config, to_dict
 from train.data import draft_vocab_from_frequencies, pad_token_id, token_frequencies
 from train.distributed import check_deepspeed_precision, make_accelerator, shard_fsdp2_units
@@ -68,6 +68,7 @@ class EagleStep(nn.Module):
             embed,
             ttt_steps=self.cfg.ttt_steps,
             decay=self.cfg.ttt_decay,
+            distill=self.cfg.distill_loss,
         )
 
 
@@ -107,43 +108,64 @@ def new_head(cfg: EagleTrainConfig, target: nn.Module, train_set) -> EagleHead:
     return head.to(dtype=torch.float32, device=target.device)
 
 
+class DraftVocabLogits(nn.Module):
+    """The target's logits over an EAGLE-3 draft vocabulary, from its final hidden states: the lm_head's rows
+    of those tokens (the full-vocabulary projection is never computed), soft-capped as the target's own
+    forward does (Gemma 2). With `other`, one more column: the log of the target's probability mass outside
+    the draft vocabulary (log-sum-exp of the other logits), so softmax over the Vd + 1 columns is the
+    target's distribution with the outside tokens pooled; that costs the full projection, in chunks of
+    `chunk` positions."""
+
+    def __init__(
+        self, lm_head_weight: Tensor, t2d: Tensor, other: bool = False, softcap: float | None = None
+    ) -> None:
+        super().__init__()
+        # `weight`: the rows a loader reads its device and dtype from (train.offline.OfflineStates.batch)
+        self.weight = nn.Parameter(lm_head_weight[t2d].detach().clone(), requires_grad=False)  # (Vd, H)
+        self._full = lm_head_weight.detach() if other else None  # (V, H), shared with the target, not saved
+        outside = torch.ones(lm_head_weight.shape[0], dtype=torch.bool, device=lm_head_weight.device)
+        outside[t2d] = False
+        self._outside, self._t2d, self.softcap, self.chunk = outside, t2d, softcap, 128
+
+    def _cap(self, logits: Tensor) -> Tensor:
+        return torch.tanh(logits / self.softcap) * self.softcap if self.softcap else logits
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        """(..., H) final states -> (..., Vd) logits, or (..., Vd + 1) with the outside column."""
+        if self._full is None:
+            return self._cap(nn.functional.linear(hidden, self.weight))
+        flat, parts = hidden.reshape(-1, hidden.shape[-1]), []
+        for rows in flat.split(self.chunk):
+            full = self._cap(nn.functional.linear(rows, self._full))  # (n, V)
+            outside = full.masked_fill(~self._outside, float("-inf")).logsumexp(-1, keepdim=True)
+            parts.append(torch.cat([full[:, self._t2d], outside], dim=-1))
+        return torch.cat(parts).reshape(*hidden.shape[:-1], -1)
+
+
 @torch.no_grad()
 def target_pass(
-    target: nn.Module, capture: FeatureCapture, batch: dict, draft_rows: Tensor | None = None
+    target: nn.Module, capture: FeatureCapture, batch: dict, draft_logits: DraftVocabLogits | None = None
 ) -> tuple[Tensor, Tensor]:
     """The frozen target's tapped features (B, T, F) and logits for a batch.
 
-    With `draft_rows` (the target lm_head's rows of an EAGLE-3 draft vocabulary, (Vd, H)) the target runs
-    without its full-vocabulary lm_head and the logits are (B, T, Vd): the loss only reads those columns.
+    With `draft_logits` (EAGLE-3 with a reduced vocabulary) the target runs without its full-vocabulary
+    lm_head and the logits are (B, T, Vd), or (B, T, Vd + 1) with the outside column: the loss reads only
+    those.
     """
-    if draft_rows is None:
+    if draft_logits is None:
         logits = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         return capture.features(), logits
     hidden = target.get_decoder()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])[0]
-    logits = nn.functional.linear(hidden, draft_rows)  # (B, T, Vd)
-    softcap = getattr(target.config.get_text_config(), "final_logit_softcapping", None)
-    if softcap:  # what the target's own forward applies after its lm_head (Gemma 2)
-        logits = torch.tanh(logits / softcap) * softcap
-    return capture.features(), logits
+    return capture.features(), draft_logits(hidden)
 
 
-def draft_vocab_rows(head: EagleHead, target: nn.Module) -> Tensor | None:
-    """(Vd, H) rows of the target's lm_head for an EAGLE-3 head with a reduced vocabulary, else None."""
+def draft_vocab_logits(head: EagleHead, target: nn.Module, other: bool = False) -> DraftVocabLogits | None:
+    """The target-logit module of an EAGLE-3 head with a reduced vocabulary (with the outside column for a
+    forward-KL loss: `other`), else None (the target's own lm_head serves)."""
     if head.head_type != "eagle3" or head.config.draft_vocab_size == head.config.vocab_size:
         return None
-    return target.get_output_embeddings().weight[head.t2d].detach().clone()
-
-
-def logits_head(target: nn.Module, draft_rows: Tensor | None) -> nn.Module:
-    """What turns stored final states into the target logits the loss reads: the lm_head's draft-vocabulary
-    rows for EAGLE-3 (as online, `target_pass`), else the whole lm_head."""
-    if draft_rows is None:
-        return target.get_output_embeddings()
-    head = nn.Linear(
-        draft_rows.shape[1], draft_rows.shape[0], bias=False, device=draft_rows.device, dtype=draft_rows.dtype
-    )
-    head.weight = nn.Parameter(draft_rows, requires_grad=False)
-    return head
+    softcap = getattr(target.config.get_text_config(), "final_logit_softcapping", None)
+    return DraftVocabLogits(target.get_output_embeddings().weight, head.t2d, other=other, softcap=softcap)
 
 
 def main(cfg: EagleRunConfig) -> None:
@@ -170,16 +192,22 @@ def main(cfg: EagleRunConfig) -> None:
     run = prepare_run(accelerator, cfg, step_module, head.parameters(), train_set)
 
     # 4. hidden states come from the target online, or from a dump (scripts/dump_hidden_states.py)
-    draft_rows = draft_vocab_rows(head, target)  # EAGLE-3: the target's logits over the draft vocab only
+    # EAGLE-3: the target's logits over the draft vocabulary only (+ the outside mass for forward KL)
+    draft_logits = draft_vocab_logits(head, target, other=cfg.eagle.distill_loss == "forward_kl")
     softcap = getattr(target.config.get_text_config(), "final_logit_softcapping", None)
-    rows, collate_fn = offline_rows(
-        cfg.data, train_set, pad_id, head.feature_layers, logits_head(target, draft_rows), softcap=softcap
+    rows, collate_fn = offline_rows(  # draft_logits soft-caps itself; the full lm_head does not
+        cfg.data,
+        train_set,
+        pad_id,
+        head.feature_layers,
+        draft_logits or target.get_output_embeddings(),
+        softcap=None if draft_logits is not None else softcap,
     )
     capture = FeatureCapture(target, head.feature_layers).__enter__()
 
     def online_loss(batch: dict) -> tuple[Tensor, dict[str, Tensor]]:
         with accelerator.autocast():  # the target computes in the run's precision too
-            features, logits = target_pass(target, capture, batch, draft_rows)
+            features, logits = target_pass(target, capture, batch, draft_logits)
         return run.module(features, batch["input_ids"], logits, batch["loss_mask"])
 
     def loss(batch: dict, step: int) -> tuple[Tensor, dict[str, Tensor]]:
@@ -199,12 +227,14 @@ def main(cfg: EagleRunConfig) -> None:
         capture.__enter__()
         return tau
 
-    def export(step: int) -> Path:
+    def export(step: int, name: str = EXPORT_DIR, eval_tau: float | None = None) -> Path:
         extra = {"train_step": step, "training": to_dict(cfg)}
+        extra |= {"eval_tau": eval_tau} if eval_tau is not None else {}
         return export_head(
             accelerator,
             run.module,
             run.output_dir,
+            name=name,
             base_model=cfg.model.target,
             base_revision=cfg.model.revision,
             target=target,

@@ -13,12 +13,13 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list
 from datasets import Dataset
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
-from train.checkpoint import check_resume_settings, latest_state, load_state, save_state
+from train.checkpoint import BEST_DIR, best_tau, check_resume_settings, latest_state, load_state, save_state
 from train.config import TrainConfig, flatten, save_config, to_dict
 from train.evaluate import evaluate
 from train.loader import epoch_loader, steps_per_epoch, total_steps
@@ -70,14 +71,16 @@ def train_loop(
     loss: Callable[[dict, int], tuple[Tensor, dict[str, Tensor]]],
     eval_loss: Callable[[dict], Tensor],
     eval_tau: Callable[[], float | None],
-    export: Callable[[int], Path],
+    export: Callable[..., Path],
     collate_fn: Callable[[list[dict]], dict] | None = None,
     idle_params: Callable[[int], list[nn.Parameter] | None] | None = None,
 ) -> Path:
     """Train from `run.start_step` to `run.num_steps`; every rank runs it. Returns the final export's path.
 
     Evaluates every `train.eval_every_steps` and at the end; writes a resume state and an export every
-    `train.save_every_steps` and at the end. A NaN/inf loss on any rank stops every rank before its step.
+    `train.save_every_steps` and at the end. With `train.keep_best_tau`, an evaluation whose simulated tau
+    beats every earlier one (also those before a resume) exports to `head_best/` as well. A NaN/inf loss on
+    any rank stops every rank before its step.
 
     Args:
         run: from `prepare_run`.
@@ -87,12 +90,14 @@ def train_loop(
         loss: (batch, optimizer steps done) -> (loss, metrics) of one training micro-batch.
         eval_loss: the held-out loss of one batch (in eval mode, without gradients).
         eval_tau: the simulated tau (collective; None off the main process).
-        export: writes the export of optimizer step `step` (collective) and returns its folder.
+        export: `export(step, name=EXPORT_DIR, eval_tau=None)` writes the export of optimizer step `step` to
+            the run's folder `name` (collective), recording `eval_tau` when given, and returns that folder.
         collate_fn: builds batches from `rows`; None pads tokenised rows (`train.data.collate`).
         idle_params: parameters whose gradients are dropped at a step (idle in it), or None.
     """
     accelerator, train, module, optimizer = run.accelerator, run.cfg.train, run.module, run.optimizer
     step, num_steps, per_epoch = run.start_step, run.num_steps, run.per_epoch
+    best = best_tau(run.output_dir)  # a resumed run keeps the best of its earlier part
     progress = tqdm(total=num_steps, initial=step, disable=not accelerator.is_main_process, desc="train")
     logger = StepLogger(accelerator, progress, train.log_every_steps)
     while step < num_steps:
@@ -122,7 +127,9 @@ def train_loop(
             step += 1
             logger.step(step, step == num_steps, value, run.scheduler.get_last_lr()[0], grad_norm, metrics)
             if (train.eval_every_steps and step % train.eval_every_steps == 0) or step == num_steps:
-                evaluate(accelerator, module, eval_set, run.cfg, pad_id, step, eval_loss, eval_tau)
+                logs = evaluate(accelerator, module, eval_set, run.cfg, pad_id, step, eval_loss, eval_tau)
+                if train.keep_best_tau:
+                    best = keep_best(accelerator, logs.get("eval_tau"), best, step, export)
             if train.save_every_steps and step % train.save_every_steps == 0 and step < num_steps:
                 save_state(accelerator, run.output_dir, step, train.keep_checkpoints)
                 export(step)
@@ -132,7 +139,23 @@ def train_loop(
     save_state(accelerator, run.output_dir, step, train.keep_checkpoints)
     path = export(step)
     accelerator.print(f"exported {path}")
+    if train.keep_best_tau and best is not None:
+        accelerator.print(f"best simulated tau {best:.4f}: {run.output_dir / BEST_DIR}")
     return path
+
+
+def keep_best(
+    accelerator: Accelerator, tau: float | None, best: float | None, step: int, export: Callable[..., Path]
+) -> float | None:
+    """Export step `step` to BEST_DIR when its simulated tau `tau` (known on the main process) beats `best`;
+    every rank calls it and learns the main process's decision. Returns the best tau now."""
+    decision = [tau is not None and (best is None or tau > best), tau]
+    decision = broadcast_object_list(decision)  # one choice for every rank: the export is collective
+    if not decision[0]:
+        return best
+    export(step, BEST_DIR, eval_tau=decision[1])
+    accelerator.print(f"step {step}: simulated tau {decision[1]:.4f}, the best so far: exported {BEST_DIR}/")
+    return decision[1]
 
 
 def make_optimizer(param_groups, train: TrainConfig, num_steps: int):

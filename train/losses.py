@@ -109,23 +109,29 @@ def eagle3_ttt_loss(
     *,
     ttt_steps: int = 3,
     decay: float = 0.8,
+    distill: str = "soft_ce",
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """EAGLE-3 training-time test: unroll the draft on its own features for `ttt_steps` steps.
 
     Step 0 reads the fused target taps; step j reads step j-1's output at the previous position. Each
-    step's logits over the draft vocabulary are trained against the target's distribution restricted to
-    the draft vocabulary (renormalised), weighted decay**j.
+    step's logits over the draft vocabulary are trained against the target's distribution over the draft
+    vocabulary, weighted decay**j: renormalised over it ("soft_ce"), or as the target's full-vocabulary
+    probabilities of those tokens ("forward_kl": the KL divergence from the target up to terms the draft
+    cannot change; a position whose target mass lies outside the draft vocabulary weighs less).
 
     Args:
         head: an eagle3 head (its t2d selects the draft vocabulary).
         target_features: (B, T, taps * H) concatenated tapped target states.
-        input_ids, target_logits, loss_mask: (B, T), (B, T, V) or already restricted to the draft
-            vocabulary (B, T, Vd), (B, T).
+        input_ids, target_logits, loss_mask: (B, T); the target logits over the full vocabulary (B, T, V),
+            over the draft vocabulary (B, T, Vd), or over it plus one last column holding the log of the
+            mass outside it (B, T, Vd + 1, `train.eagle.DraftVocabLogits(other=True)`); (B, T).
         embed: the target's frozen embedding.
         ttt_steps: unrolled steps (>= 1).
         decay: step weight base.
+        distill: "soft_ce" or "forward_kl" (needs full logits or the outside column when Vd < V).
     Returns:
-        (loss, metrics) with `loss_step{j}` and `top1_step{j}` per step.
+        (loss, metrics) with `loss_step{j}` and `top1_step{j}` per step, and `draft_mass` (the target's mean
+        probability inside the draft vocabulary) when it is known.
     """
     if ttt_steps < 1:
         raise ValueError(f"ttt_steps must be >= 1, got {ttt_steps}")
@@ -134,10 +140,7 @@ def eagle3_ttt_loss(
     features = head.project_features(target_features[:, :-1])  # (B, T-1, H)
     embeds = embed(input_ids[:, 1:]).to(features.dtype)  # (B, T-1, H)
     positions = torch.arange(length, device=features.device).expand(b, -1)
-    target_logits = target_logits[:, 1:]
-    if target_logits.shape[-1] != head.config.draft_vocab_size:  # full-vocabulary logits: keep the draft's
-        target_logits = target_logits[..., head.t2d]
-    target_probs = torch.softmax(target_logits.float(), dim=-1)  # (B, T-1, Vd)
+    target_probs, draft_mass = draft_target_probs(head, target_logits[:, 1:], distill)  # (B, T-1, Vd)
     token_mask = torch.zeros(b, length, dtype=torch.bool, device=features.device)
     token_mask[:, :-1] = loss_mask[:, 2:].bool()  # token t + 2
     cache = DraftCache()
@@ -154,7 +157,43 @@ def eagle3_ttt_loss(
         metrics[f"loss_step{step}"] = step_loss.detach()
         metrics[f"top1_step{step}"] = _top1(logits.detach(), target_probs, valid)
         features = torch.cat([torch.zeros_like(hidden[:, :1]), hidden[:, :-1]], dim=1)  # step j+1 input at t
+    if draft_mass is not None:
+        metrics["draft_mass"] = masked_mean(draft_mass, token_mask)
     return total, metrics
+
+
+def draft_target_probs(head: EagleHead, target_logits: Tensor, distill: str) -> tuple[Tensor, Tensor | None]:
+    """The target's probabilities an EAGLE-3 loss trains the draft vocabulary on, and the target's mass
+    inside that vocabulary (None when the logits do not tell).
+
+    Args:
+        head: the eagle3 head (draft_vocab_size, vocab_size, t2d).
+        target_logits: (..., V), (..., Vd) or (..., Vd + 1) with the log outside mass last.
+        distill: "soft_ce" (renormalised over the draft vocabulary) or "forward_kl" (full-vocabulary
+            probabilities of the draft tokens).
+    Returns:
+        ((..., Vd) float32 probabilities, (...) mass inside the draft vocabulary or None).
+    """
+    if distill not in ("soft_ce", "forward_kl"):
+        raise ValueError(f"distill must be 'soft_ce' or 'forward_kl', got {distill!r}")
+    draft, full = head.config.draft_vocab_size, head.config.vocab_size
+    width = target_logits.shape[-1]
+    if width == full and draft != full:  # full-vocabulary logits
+        probs = torch.softmax(target_logits.float(), dim=-1)[..., head.t2d]
+    elif width == draft + 1 and draft != full:  # draft vocabulary + the outside mass
+        probs = torch.softmax(target_logits.float(), dim=-1)[..., :draft]
+    elif width == draft:  # the draft vocabulary alone: its mass is unknown (or 1 when it is the full one)
+        if distill == "forward_kl" and draft != full:
+            raise ValueError(
+                f"forward_kl needs the target's mass outside the {draft}-token draft vocabulary: pass logits "
+                f"over all {full} tokens or with the outside column ({draft + 1})"
+            )
+        probs = torch.softmax(target_logits.float(), dim=-1)
+        return probs, (torch.ones_like(probs[..., 0]) if draft == full else None)
+    else:
+        raise ValueError(f"target logits of width {width}: expected {full}, {draft} or {draft + 1}")
+    mass = probs.sum(-1)
+    return (probs if distill == "forward_kl" else probs / mass.unsqueeze(-1)), mass
 
 
 def medusa_loss(

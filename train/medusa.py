@@ -24,7 +24,7 @@ from accelerate.utils import set_seed
 from torch import Tensor, nn
 
 from heads import MedusaConfig, MedusaHeads, load_heads
-from train.checkpoint import export_head, head_from_state
+from train.checkpoint import EXPORT_DIR, export_head, head_from_state
 from train.config import MedusaRunConfig, MedusaTrainConfig, load_config, to_dict
 from train.data import pad_token_id
 from train.distributed import (
@@ -219,19 +219,33 @@ def main(cfg: MedusaRunConfig) -> None:
         loss=loss,
         eval_loss=held_out_loss,
         eval_tau=lambda: eval_tau(accelerator, run.module, eval_set, cfg, eval_copy),
-        export=lambda step: export(accelerator, run.module, run.output_dir, cfg, step, target),
+        export=lambda step, name=EXPORT_DIR, eval_tau=None: export(
+            accelerator, run.module, run.output_dir, cfg, step, target, name, eval_tau
+        ),
         collate_fn=collate_fn,
         idle_params=idle_lora,
     )
     accelerator.end_training()
 
 
-def export(accelerator, step_module, out: Path, cfg: MedusaRunConfig, step: int, target: nn.Module) -> Path:
-    """Head export, plus the LoRA adapter (safetensors) for Medusa-2, both from weights gathered from every
-    rank (collective), so a sharded run (ZeRO-3, FSDP2) saves whole tensors."""
+def export(
+    accelerator,
+    step_module,
+    out: Path,
+    cfg: MedusaRunConfig,
+    step: int,
+    target: nn.Module,
+    name: str = EXPORT_DIR,
+    eval_tau: float | None = None,
+) -> Path:
+    """Head export to `out/<name>`, plus the LoRA adapter (safetensors) for Medusa-2 beside it (`lora/` for
+    `head/`, `lora_best/` for `head_best/`), both from weights gathered from every rank (collective), so a
+    sharded run (ZeRO-3, FSDP2) saves whole tensors."""
     extra = {"train_step": step, "training": to_dict(cfg)}
+    extra |= {"eval_tau": eval_tau} if eval_tau is not None else {}
+    lora = name.replace("head", "lora")
     if cfg.medusa.lora_r > 0:
-        extra["lora_adapter"] = "../lora (merge into the target before decoding: the heads expect it)"
+        extra["lora_adapter"] = f"../{lora} (merge into the target before decoding: the heads expect it)"
     state = accelerator.get_state_dict(step_module)  # collective under ZeRO-3 and FSDP2
     path = export_head(
         accelerator,
@@ -243,10 +257,11 @@ def export(accelerator, step_module, out: Path, cfg: MedusaRunConfig, step: int,
         base_revision=cfg.model.revision,
         target=target,
         extra=extra,
+        name=name,
     )
     if cfg.medusa.lora_r > 0 and accelerator.is_main_process:
         adapted = accelerator.unwrap_model(step_module).target
-        adapted.save_pretrained(out / "lora", safe_serialization=True, state_dict=_prefixed(state, "target."))
+        adapted.save_pretrained(out / lora, safe_serialization=True, state_dict=_prefixed(state, "target."))
     accelerator.wait_for_everyone()
     return path
 

@@ -14,7 +14,7 @@ from torch import nn
 from decode.timing import synchronize
 from heads import FeatureCapture
 from train.config import EagleTrainConfig, MedusaTrainConfig
-from train.eagle import EagleStep, draft_vocab_rows, new_head, target_pass
+from train.eagle import EagleStep, draft_vocab_logits, new_head, target_pass
 from train.medusa import MedusaStep, new_heads
 
 
@@ -70,11 +70,11 @@ def step_times(
         head = new_head(cfg, target, token_rows)
         step = EagleStep(head, cfg, target.get_input_embeddings(), target.get_output_embeddings())
         optimizer = torch.optim.AdamW(head.parameters(), lr=1e-4)
-        draft_rows = draft_vocab_rows(head, target)
+        draft_logits = draft_vocab_logits(head, target, other=cfg.distill_loss == "forward_kl")
         with FeatureCapture(target, head.feature_layers) as capture:
 
-            def eagle_step(batch, step=step, optimizer=optimizer, capture=capture, draft_rows=draft_rows):
-                features, logits = target_pass(target, capture, batch, draft_rows)
+            def eagle_step(batch, step=step, optimizer=optimizer, capture=capture, draft_logits=draft_logits):
+                features, logits = target_pass(target, capture, batch, draft_logits)
                 loss, _ = step(features, batch["input_ids"], logits, batch["loss_mask"])
                 loss.backward()
                 optimizer.step()

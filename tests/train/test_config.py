@@ -203,6 +203,7 @@ def test_wrong_type_in_yaml_names_file(tmp_path):
         (EagleRunConfig, "train.report_to=all", config_module.REPORT_TO),
         (MedusaRunConfig, "train.mixed_precision=fp8", config_module.MIXED_PRECISIONS),
         (EagleRunConfig, "eagle.head_type=eagle2", ("eagle1", "eagle3")),
+        (EagleRunConfig, "eagle.distill_loss=kl", config_module.DISTILL_LOSSES),
     ],
 )
 def test_bad_choice_lists_allowed_values(cls, override, allowed):
@@ -222,6 +223,12 @@ def test_cross_field_checks():
         )
     with pytest.raises(ConfigError, match="offline_dir must be set"):
         load_config(EagleRunConfig, None, REQUIRED + ["data.hidden_states=offline"])
+    with pytest.raises(ConfigError, match="distill_loss 'forward_kl' is for eagle3"):
+        load_config(
+            EagleRunConfig, ROOT / "configs" / "eagle1_smollm2.yaml", ["eagle.distill_loss=forward_kl"]
+        )
+    with pytest.raises(ConfigError, match="set train.eval_tau_prompts > 0"):
+        load_config(EagleRunConfig, None, REQUIRED + ["train.keep_best_tau=true", "train.eval_tau_prompts=0"])
 
 
 def test_missing_required_keys_are_named():

@@ -17,7 +17,7 @@ from datasets import Dataset
 from torch import nn
 
 import train.eagle
-from train.checkpoint import latest_state
+from train.checkpoint import BEST_DIR, EXPORT_DIR, best_tau, latest_state
 from train.config import EagleRunConfig, TrainConfig, load_config
 from train.distributed import make_accelerator
 from train.loop import make_optimizer, prepare_run, train_loop
@@ -114,6 +114,63 @@ def test_loop_evaluates_checkpoints_exports_and_drops_idle_gradients(
     assert seen["eval_training"] and not any(seen["eval_training"]) and toy.training
     assert seen["moved_after_one"] == {"embed.weight": False, "out.weight": True, "out.bias": True}
     assert not torch.equal(toy.embed.weight, start["embed.weight"])  # it trained in the later steps
+
+
+def test_loop_keeps_the_export_of_the_best_simulated_tau(tmp_path, overrides, fresh_accelerate, capsys):
+    """keep_best_tau: evaluations at steps 2, 4, 6 measure tau 1.2, 1.5, 1.4; head_best/ gets steps 2 and 4
+    (each better than all before), not 6; a run resumed over a recorded best of 1.6 exports nothing there."""
+    out = tmp_path / "run"
+    args = [
+        "train.max_steps=6",
+        "train.eval_every_steps=2",
+        "train.eval_tau_prompts=1",
+        "train.save_every_steps=0",
+    ]
+    cfg = load_config(EagleRunConfig, TINY_YAML, overrides(out, *args, "train.keep_best_tau=true"))
+    taus, exports = iter([1.2, 1.5, 1.4, 1.3, 1.5, 1.7]), []
+
+    def export(step, name=EXPORT_DIR, eval_tau=None):
+        exports.append((step, name, eval_tau))
+        if name == BEST_DIR:
+            (out / name).mkdir(parents=True, exist_ok=True)
+            (out / name / "config.json").write_text(json.dumps({"eval_tau": eval_tau}))
+        return out / name
+
+    def run_once():
+        toy = ToyStep()
+        run = prepare_run(make_accelerator(cfg.train), cfg, toy, toy.parameters(), toy_rows(12))
+        return train_loop(
+            run,
+            toy_rows(12),
+            toy_rows(4),
+            pad_id=0,
+            loss=lambda batch, step: run.module(batch["input_ids"], batch["loss_mask"]),
+            eval_loss=lambda batch: run.module(batch["input_ids"], batch["loss_mask"])[0],
+            eval_tau=lambda: next(taus),
+            export=export,
+        )
+
+    torch.manual_seed(0)
+    run_once()
+    assert exports == [(2, BEST_DIR, 1.2), (4, BEST_DIR, 1.5), (6, EXPORT_DIR, None)]
+    assert best_tau(out) == 1.5 and "best simulated tau 1.5000" in capsys.readouterr().out
+    (out / BEST_DIR / "config.json").write_text(json.dumps({"eval_tau": 1.6}))  # as if from before a resume
+    cfg.train.max_steps = 12  # the same run, resumed from its step-6 state for 6 more steps
+    exports.clear()
+    run_once()
+    assert exports == [(12, BEST_DIR, 1.7), (12, EXPORT_DIR, None)]  # 1.3 and 1.5 did not beat 1.6
+    with pytest.raises(ValueError, match="eval_tau_prompts > 0"):
+        TrainConfig(output_dir=str(tmp_path), keep_best_tau=True)
+
+
+def test_eagle_recipe_exports_the_best_head_with_its_tau(tmp_path, overrides, run_recipe):
+    out = tmp_path / "run"
+    args = ["train.max_steps=2", "train.eval_every_steps=1", "train.eval_tau_prompts=1"]
+    run_recipe(overrides(out, *args, "train.eval_tau_new_tokens=4", "train.keep_best_tau=true"))
+    best = json.loads((out / BEST_DIR / "config.json").read_text())
+    assert best["train_step"] in (1, 2) and best["eval_tau"] >= 1.0 and best_tau(out) == best["eval_tau"]
+    assert "eval_tau" not in json.loads((out / EXPORT_DIR / "config.json").read_text())
+    assert sorted(p.name for p in (out / BEST_DIR).iterdir()) == ["config.json", "model.safetensors"]
 
 
 def test_optimizer_warms_up_then_follows_the_schedule(tmp_path):

@@ -197,14 +197,82 @@ def test_medusa_loss_from_hidden_equals_full_logits_version():
 
 
 def test_target_pass_over_draft_rows_equals_full_logits_restricted(target):
-    from train.eagle import draft_vocab_rows, target_pass
+    from train.eagle import draft_vocab_logits, target_pass
 
     head = EagleHead(EagleConfig.from_target(target.config, "eagle3", draft_vocab_size=40))
     head.set_draft_vocab(torch.randperm(V)[:40])
     batch = {"input_ids": torch.randint(0, V, (2, 7)), "attention_mask": torch.ones(2, 7, dtype=torch.long)}
     with FeatureCapture(target, head.feature_layers) as capture:
         full_features, full = target_pass(target, capture, batch)
-        features, reduced = target_pass(target, capture, batch, draft_vocab_rows(head, target))
+        features, reduced = target_pass(target, capture, batch, draft_vocab_logits(head, target))
+        _, with_other = target_pass(target, capture, batch, draft_vocab_logits(head, target, other=True))
     torch.testing.assert_close(features, full_features)
     torch.testing.assert_close(reduced, full[..., head.t2d], atol=1e-5, rtol=1e-5)
-    assert draft_vocab_rows(EagleHead(EagleConfig.from_target(target.config, "eagle1")), target) is None
+    # the last column pools the outside tokens: softmax over Vd + 1 = the target's distribution, pooled
+    pooled = torch.softmax(with_other, -1)
+    probs = torch.softmax(full, -1)
+    torch.testing.assert_close(pooled[..., :40], probs[..., head.t2d], atol=1e-6, rtol=1e-5)
+    outside = torch.ones(V, dtype=torch.bool)
+    outside[head.t2d] = False
+    torch.testing.assert_close(pooled[..., 40], probs[..., outside].sum(-1), atol=1e-6, rtol=1e-5)
+    assert draft_vocab_logits(EagleHead(EagleConfig.from_target(target.config, "eagle1")), target) is None
+
+
+def test_draft_vocab_logits_soft_cap_and_chunk_like_the_full_head():
+    from train.eagle import DraftVocabLogits
+
+    torch.manual_seed(0)
+    weight, hidden, t2d = torch.randn(50, 8), torch.randn(3, 150, 8) * 4, torch.randperm(50)[:20]
+    module = DraftVocabLogits(weight, t2d, other=True, softcap=5.0)  # 450 positions: 4 chunks of 128
+    full = torch.tanh(hidden @ weight.T / 5.0) * 5.0
+    outside = torch.ones(50, dtype=torch.bool)
+    outside[t2d] = False
+    expected = torch.cat([full[..., t2d], full[..., outside].logsumexp(-1, keepdim=True)], -1)
+    torch.testing.assert_close(module(hidden), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(DraftVocabLogits(weight, t2d, softcap=5.0)(hidden), full[..., t2d])
+
+
+def test_forward_kl_weighs_the_target_mass_inside_the_draft_vocabulary(target):
+    """soft_ce trains on the target distribution renormalised over the draft vocabulary, forward_kl on the
+    target's own probabilities of those tokens: the two losses differ exactly by that per-position factor,
+    agree when the draft vocabulary is the whole vocabulary, and forward_kl refuses logits without the
+    outside mass."""
+    from train.losses import draft_target_probs
+
+    torch.manual_seed(3)
+    head = EagleHead(EagleConfig.from_target(target.config, "eagle3", draft_vocab_size=16))
+    head.set_draft_vocab(torch.randperm(V)[:16])
+    logits = torch.randn(2, 5, V) * 3
+    soft, mass = draft_target_probs(head, logits, "soft_ce")
+    kl, mass_kl = draft_target_probs(head, logits, "forward_kl")
+    probs = torch.softmax(logits, -1)[..., head.t2d]
+    torch.testing.assert_close(kl, probs)
+    torch.testing.assert_close(soft, probs / probs.sum(-1, keepdim=True))
+    torch.testing.assert_close(mass, probs.sum(-1))
+    assert torch.equal(mass, mass_kl) and (mass < 0.9).all()
+    outside = torch.ones(V, dtype=torch.bool)
+    outside[head.t2d] = False
+    pooled = torch.cat([logits[..., head.t2d], logits[..., outside].logsumexp(-1, keepdim=True)], -1)
+    torch.testing.assert_close(draft_target_probs(head, pooled, "forward_kl")[0], kl, atol=1e-6, rtol=1e-5)
+    with pytest.raises(ValueError, match="forward_kl needs the target's mass outside"):
+        draft_target_probs(head, logits[..., head.t2d], "forward_kl")
+    with pytest.raises(ValueError, match="width 7"):
+        draft_target_probs(head, logits[..., :7], "soft_ce")
+
+    # through the TTT loss: one step, a fixed draft; forward_kl = sum over positions of mass x soft_ce term
+    ids = torch.randint(0, V, (2, 6))
+    features, full_logits = _target_pass(target, head, ids)
+    mask = torch.ones(2, 6, dtype=torch.long)
+    embed = target.get_input_embeddings()
+    losses = {
+        distill: eagle3_ttt_loss(head, features, ids, full_logits, mask, embed, ttt_steps=1, distill=distill)
+        for distill in ("soft_ce", "forward_kl")
+    }
+    assert losses["forward_kl"][0] < losses["soft_ce"][0]  # every position scaled by its mass < 1
+    torch.testing.assert_close(losses["forward_kl"][1]["draft_mass"], losses["soft_ce"][1]["draft_mass"])
+    whole = EagleHead(EagleConfig.from_target(target.config, "eagle3"))  # draft vocabulary = vocabulary
+    same = [
+        eagle3_ttt_loss(whole, features, ids, full_logits, mask, embed, ttt_steps=2, distill=d)[0]
+        for d in ("soft_ce", "forward_kl")
+    ]
+    torch.testing.assert_close(same[0], same[1])

@@ -32,7 +32,10 @@ def _assert_same_head(a: Path, b: Path) -> None:
         torch.testing.assert_close(second[key], first[key], atol=1e-5, rtol=1e-4, msg=key)
 
 
-def test_offline_training_equals_online(tmp_path, overrides, run_recipe, tiny_target_dir, chat_file, capsys):
+@pytest.mark.parametrize("distill", ["soft_ce", "forward_kl"])  # forward_kl: the outside-mass column too
+def test_offline_training_equals_online(
+    tmp_path, overrides, run_recipe, tiny_target_dir, chat_file, capsys, distill
+):
     cfg = load_config(EagleRunConfig, TINY_YAML, overrides(tmp_path / "x", *FAST))
     model, _ = load_target(str(tiny_target_dir))
     from heads import EagleConfig
@@ -41,11 +44,12 @@ def test_offline_training_equals_online(tmp_path, overrides, run_recipe, tiny_ta
     _, dataset = _dump(tiny_target_dir, chat_file, tmp_path / "states", taps)
     assert "MiB to write" in capsys.readouterr().out  # the size is printed before writing
     assert len(list((tmp_path / "states").glob("shard-*.safetensors"))) == -(-len(dataset) // 8)
-    run_recipe(overrides(tmp_path / "online", *FAST))
+    run_recipe(overrides(tmp_path / "online", *FAST, f"eagle.distill_loss={distill}"))
     run_recipe(
         overrides(
             tmp_path / "offline",
             *FAST,
+            f"eagle.distill_loss={distill}",
             "data.hidden_states=offline",
             f"data.offline_dir='{tmp_path / 'states'}'",
         )
