@@ -1,0 +1,66 @@
+"""Train one head per arm of an ablation spec and tabulate their acceptance (train/ablation.py has the spec
+format). Rerun the same command to resume: finished arms are skipped, an interrupted one resumes.
+
+    python scripts/ablate.py configs/ablation_smollm2.yaml [--arms baseline ttt5] [--no-train]
+
+Prompts per category: chat and instruction from data/smollm2/prompts_eval.jsonl, code from HumanEval
+(prompts_code_eval.jsonl), the benchmark's own (decode.benchmark.load_prompts), never trained on. Writes
+ablation.json and ablation.md to the spec's output_dir and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from decode.benchmark import load_prompts
+from heads.target import load_target
+from train.ablation import evaluate_arm, load_spec, run_arm, write_results
+from train.config import EagleRunConfig, MedusaRunConfig, load_config
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "smollm2"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("spec", type=Path, help="ablation YAML (train/ablation.py)")
+    parser.add_argument("--arms", nargs="*", default=None, help="only these arms (default: all, in order)")
+    parser.add_argument("--no-train", action="store_true", help="evaluate the arms trained so far only")
+    args = parser.parse_args(argv)
+    try:
+        spec = load_spec(args.spec)
+    except (TypeError, ValueError) as error:
+        raise SystemExit(str(error)) from error
+    names = args.arms or list(spec.arms)
+    unknown = [n for n in names if n not in spec.arms]
+    if unknown:
+        raise SystemExit(f"{args.spec}: no arm(s) {unknown}; the spec has {list(spec.arms)}")
+    records = []
+    for name in names:
+        if args.no_train:
+            done = spec.output_dir / name / "ablation_done.json"
+            if not done.is_file():
+                print(f"[{name}] not trained: left out")
+                continue
+        records.append(run_arm(spec, name))
+    classes = {"eagle": EagleRunConfig, "medusa": MedusaRunConfig}
+    base = load_config(classes[spec.recipe], spec.base, spec.overrides)
+    model, tokenizer = load_target(base.model.target)
+    prompts, _ = load_prompts(DATA, spec.prompts, 0)
+    results = []
+    for record in records:
+        tau = evaluate_arm(
+            model, tokenizer, spec.output_dir / record["arm"] / "head", prompts, spec.new_tokens
+        )
+        results.append({**record, "tau": tau})
+        print(
+            f"[{record['arm']}] " + ", ".join(f"{c} tau {t['tau']:.2f}" for c, t in tau.items()), flush=True
+        )
+    _, table = write_results(spec, results)
+    print(table.read_text())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""train/ablation.py and scripts/ablate.py: the spec's checks, each arm's command, runs that resume (a
+finished arm is skipped, a failed one names its log), greedy tau per category, and the table; end to end on
+the tiny target with two arms of two steps."""
+
+from __future__ import annotations
+
+import json
+import runpy
+from pathlib import Path
+
+import pytest
+import yaml
+
+from heads.target import load_target
+from train.ablation import DONE, arm_command, evaluate_arm, load_spec, render, run_arm, write_results
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY_YAML = ROOT / "configs" / "tiny_test.yaml"
+
+
+def _spec_file(tmp_path, **fields) -> Path:
+    spec = {"recipe": "eagle", "base": str(TINY_YAML), "output_dir": str(tmp_path / "out"), "arms": {"a": []}}
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec | fields))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"steps": 3}, r"unknown key\(s\) \['steps'\]"),
+        ({"recipe": "lookahead"}, "recipe 'lookahead', expected one of"),
+        ({"arms": {}}, "arms must be a non-empty mapping"),
+        ({"arms": {"a": "eagle.ttt_steps=5"}}, "arm 'a' must list 'section.key=value' overrides"),
+        ({"arms": {"a": ["eagle.ttt_steps"]}}, "arm 'a' must list"),
+        ({"arms": {"a": ["train.output_dir=x"]}}, "its folder is output_dir/<name>"),
+        ({"prompts": 0}, "prompts must be a positive integer"),
+    ],
+)
+def test_spec_errors_name_the_file_and_the_key(tmp_path, fields, message):
+    path = _spec_file(tmp_path, **fields)
+    with pytest.raises(ValueError, match=message) as info:
+        load_spec(path)
+    assert str(path) in str(info.value)
+
+
+def test_spec_file_must_hold_every_required_key_and_a_mapping(tmp_path):
+    path = tmp_path / "spec.yaml"
+    path.write_text("recipe: eagle\narms: {a: []}\n")
+    with pytest.raises(ValueError, match=r"missing key\(s\) \['base', 'output_dir'\]"):
+        load_spec(path)
+    path.write_text("- a list\n")
+    with pytest.raises(TypeError, match="expected a mapping"):
+        load_spec(path)
+
+
+def test_arm_command_puts_the_arm_after_the_common_overrides(tmp_path):
+    spec = load_spec(_spec_file(tmp_path, overrides=["train.max_steps=3"], arms={"b": ["train.max_steps=5"]}))
+    command = arm_command(spec, "b")
+    assert command[1:] == [
+        str(ROOT / "train" / "eagle.py"),
+        str(TINY_YAML),
+        "train.max_steps=3",
+        "train.max_steps=5",  # later wins: the arm's own value
+        f"train.output_dir={tmp_path / 'out' / 'b'}",
+    ]
+
+
+def test_two_arms_train_resume_evaluate_and_tabulate(tmp_path, tiny_target_dir, chat_file):
+    common = [
+        f"model.target={tiny_target_dir}",
+        f"data.train_files=[{chat_file}]",
+        "train.eval_tau_prompts=0",
+    ]
+    arms = {"reference": [], "ttt1": ["eagle.ttt_steps=1"], "broken": ["eagle.ttt_steps=0"]}
+    spec = load_spec(_spec_file(tmp_path, overrides=common, arms=arms, prompts=2, new_tokens=6))
+    logs = []
+    records = [run_arm(spec, name, log=logs.append) for name in ("reference", "ttt1")]
+    assert all((spec.output_dir / n / "head" / "config.json").is_file() for n in ("reference", "ttt1"))
+    assert json.loads((spec.output_dir / "ttt1" / DONE).read_text())["overrides"] == ["eagle.ttt_steps=1"]
+    trained = json.loads((spec.output_dir / "ttt1" / "head" / "config.json").read_text())["training"]
+    assert trained["eagle"]["ttt_steps"] == 1 and trained["train"]["max_steps"] == 2
+    assert run_arm(spec, "ttt1", log=logs.append) == records[1] and "done before" in logs[-1]  # skipped
+    with pytest.raises(RuntimeError, match=r"(?s)arm 'broken' failed .*ttt_steps must be >= 1"):
+        run_arm(spec, "broken", log=logs.append)
+    assert not (spec.output_dir / "broken" / DONE).exists()
+
+    model, tokenizer = load_target(str(tiny_target_dir))
+    chats = [{"messages": [{"role": "user", "content": f"Say {word} twice."}]} for word in ("one", "two")]
+    prompts = {"chat": chats, "code": chats[:1]}
+    results = [
+        {**r, "tau": evaluate_arm(model, tokenizer, spec.output_dir / r["arm"] / "head", prompts, 6)}
+        for r in records
+    ]
+    for result in results:
+        assert [c for c in result["tau"]] == ["chat", "code"]
+        assert result["tau"]["chat"]["prompts"] == 2 and result["tau"]["code"]["prompts"] == 1
+        assert all(t["tau"] >= 1.0 and t["tau_median"] >= 1.0 for t in result["tau"].values())
+    data, table = write_results(spec, results)
+    text = table.read_text()
+    assert text == render(spec, results) and "| ttt1 | `eagle.ttt_steps=1` |" in text
+    assert "| reference | (reference) |" in text and text.count("\n| ") == 3  # header + 2 arms
+    assert [r["arm"] for r in json.loads(data.read_text())["results"]] == ["reference", "ttt1"]
+
+
+def test_script_refuses_an_unknown_arm(tmp_path, capsys):
+    main = runpy.run_path(str(ROOT / "scripts" / "ablate.py"))["main"]
+    with pytest.raises(SystemExit, match=r"no arm\(s\) \['nope'\]"):
+        main([str(_spec_file(tmp_path)), "--arms", "nope"])

@@ -1,0 +1,183 @@
+"""Training choices measured side by side (`scripts/ablate.py`): one run of a recipe per arm (the same base
+config, data and step budget, one arm's overrides on top), then every arm's head decoded greedily on the same
+held-out prompts. Runs are resumable: a finished arm is skipped, an interrupted one resumes from its last
+state (the recipe's own resume).
+
+The spec is a YAML file:
+
+    recipe: eagle                      # train/eagle.py or train/medusa.py
+    base: configs/eagle3_smollm2.yaml  # the recipe config every arm starts from
+    overrides: [train.max_steps=600]   # applied to every arm (data, budget, evaluation off, ...)
+    output_dir: runs/ablation          # one folder per arm
+    prompts: 10                        # held-out prompts per category
+    new_tokens: 64
+    arms:                              # name -> its own overrides; the first is the reference
+      baseline: []
+      ttt5: [eagle.ttt_steps=5]
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import yaml
+
+from heads.files import write_json, write_text
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = ("eagle", "medusa")
+DONE = "ablation_done.json"  # written in an arm's folder when its run finished
+
+
+@dataclass(kw_only=True)
+class AblationSpec:
+    recipe: str
+    base: Path
+    output_dir: Path
+    arms: dict[str, list[str]]
+    overrides: list[str] = field(default_factory=list)
+    prompts: int = 10
+    new_tokens: int = 64
+
+
+def load_spec(path: str | Path) -> AblationSpec:
+    """The spec in the YAML file `path`; ValueError (TypeError for a file that is not a mapping) naming the
+    file and the key on anything wrong."""
+    path = Path(path)
+    raw = yaml.safe_load(path.read_text())
+    if not isinstance(raw, dict):
+        raise TypeError(f"{path}: expected a mapping of spec keys, found {type(raw).__name__}")
+    known = set(AblationSpec.__dataclass_fields__)
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ValueError(f"{path}: unknown key(s) {unknown}; expected some of {sorted(known)}")
+    missing = sorted(k for k in ("recipe", "base", "output_dir", "arms") if k not in raw)
+    if missing:
+        raise ValueError(f"{path}: missing key(s) {missing}")
+    if raw["recipe"] not in RECIPES:
+        raise ValueError(f"{path}: recipe {raw['recipe']!r}, expected one of {list(RECIPES)}")
+    arms = raw["arms"]
+    if not isinstance(arms, dict) or not arms:
+        raise ValueError(f"{path}: arms must be a non-empty mapping of name -> list of overrides")
+    for name, extra in arms.items():
+        if not isinstance(extra, list) or not all(isinstance(o, str) and "=" in o for o in extra):
+            raise ValueError(f"{path}: arm {name!r} must list 'section.key=value' overrides, found {extra!r}")
+        if "/" in str(name) or any(o.startswith("train.output_dir=") for o in extra):
+            raise ValueError(f"{path}: arm {name!r}: its folder is output_dir/<name>, not set by an override")
+    for key in ("prompts", "new_tokens"):
+        if key in raw and (not isinstance(raw[key], int) or raw[key] < 1):
+            raise ValueError(f"{path}: {key} must be a positive integer, found {raw[key]!r}")
+    return AblationSpec(
+        recipe=raw["recipe"],
+        base=Path(raw["base"]),
+        output_dir=Path(raw["output_dir"]),
+        arms={str(k): list(v) for k, v in arms.items()},
+        overrides=list(raw.get("overrides") or []),
+        prompts=raw.get("prompts", 10),
+        new_tokens=raw.get("new_tokens", 64),
+    )
+
+
+def arm_command(spec: AblationSpec, name: str) -> list[str]:
+    """The recipe command line of arm `name` (one process; the same for a rerun, so it resumes)."""
+    out = spec.output_dir / name
+    return [
+        sys.executable,
+        str(ROOT / "train" / f"{spec.recipe}.py"),
+        str(spec.base),
+        *spec.overrides,
+        *spec.arms[name],
+        f"train.output_dir={out}",
+    ]
+
+
+def run_arm(spec: AblationSpec, name: str, log=print) -> dict:
+    """Train arm `name` unless it finished before; returns its record ({"arm", "overrides", "seconds"})."""
+    out = spec.output_dir / name
+    done = out / DONE
+    if done.is_file():
+        record = json.loads(done.read_text())
+        log(f"[{name}] done before ({record['seconds']:.0f} s of training): skipped")
+        return record
+    command = arm_command(spec, name)
+    log(f"[{name}] " + " ".join(command[1:]))
+    start = time.perf_counter()
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / "train.log").open("a") as stream:
+        run = subprocess.run(command, cwd=ROOT, stdout=stream, stderr=subprocess.STDOUT, check=False)
+    if run.returncode != 0:
+        tail = "\n".join((out / "train.log").read_text().splitlines()[-15:])
+        raise RuntimeError(f"arm {name!r} failed (exit {run.returncode}); {out / 'train.log'} ends:\n{tail}")
+    record = {"arm": name, "overrides": spec.arms[name], "seconds": time.perf_counter() - start}
+    write_json(done, record)
+    return record
+
+
+def _pooled_tau(model, tokenizer, head, rows: list[dict], new_tokens: int) -> dict:
+    """Greedy `decode.generate` with the head's default tree on chat-template prompts: pooled tau (tokens
+    emitted by verify passes / verify passes, the bonus token counted, the prefill's token left out, as
+    `decode.benchmark` pools it) and the median of per-prompt taus."""
+    from decode import generate  # train -> decode: an allowed direction; lazy, as in train/evaluate.py
+    from decode.benchmark import prompt_ids
+
+    emitted = steps = 0
+    taus = []
+    for row in rows:
+        out = generate(model, prompt_ids(tokenizer, row).to(model.device), head, max_new_tokens=new_tokens)
+        emitted, steps = emitted + out.new_tokens - 1, steps + out.steps
+        taus.append(out.tau)
+    return {
+        "tau": emitted / steps if steps else 1.0,
+        "tau_median": statistics.median(taus),
+        "prompts": len(rows),
+    }
+
+
+def evaluate_arm(model, tokenizer, head_dir: Path, prompts: dict[str, list[dict]], new_tokens: int) -> dict:
+    """{category: pooled tau record} of the head in `head_dir` on `prompts` ({category: rows})."""
+    from heads import load_heads
+
+    head = load_heads(head_dir, model)
+    with torch.no_grad():
+        return {
+            category: _pooled_tau(model, tokenizer, head, rows, new_tokens)
+            for category, rows in prompts.items()
+        }
+
+
+def render(spec: AblationSpec, results: list[dict]) -> str:
+    """A markdown table: one row per arm, its overrides, training seconds and tau per category."""
+    categories = list(results[0]["tau"]) if results else []
+    head = ["arm", "overrides", "train s", *(f"{c} tau" for c in categories)]
+    title = (
+        f"Ablation of `{spec.base}` ({spec.recipe}), common overrides: `{' '.join(spec.overrides) or '-'}`; "
+        f"greedy `decode.generate`, default tree, {spec.prompts} held-out prompts per category, "
+        f"{spec.new_tokens} new tokens; tau pooled (median of prompts in brackets)."
+    )
+    lines = [
+        title,
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
+    for r in results:
+        taus = [f"{r['tau'][c]['tau']:.2f} ({r['tau'][c]['tau_median']:.2f})" for c in categories]
+        overrides = " ".join(f"`{o}`" for o in r["overrides"]) or "(reference)"
+        lines.append(f"| {r['arm']} | {overrides} | {r['seconds']:.0f} | " + " | ".join(taus) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_results(spec: AblationSpec, results: list[dict]) -> tuple[Path, Path]:
+    """ablation.json and ablation.md in the spec's output folder."""
+    table = spec.output_dir / "ablation.md"
+    data = spec.output_dir / "ablation.json"
+    write_json(data, {"base": str(spec.base), "overrides": spec.overrides, "results": results})
+    write_text(table, render(spec, results))
+    return data, table
