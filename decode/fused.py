@@ -158,7 +158,8 @@ class FusedEagleStep:
         gate, up = self.layers["gate_up"](self._norm(self.norms["post"], hidden)).split(
             self.head.config.intermediate_size, dim=-1
         )
-        return hidden + self.down_proj(self.act(gate) * up)
+        out = hidden + self.down_proj(self.act(gate) * up)
+        return self._norm(self.head.norm, out) if self.eagle3 and self.head.config.norm_output else out
 
 
 def _fingerprint(head: EagleHead) -> tuple:

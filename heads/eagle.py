@@ -45,6 +45,10 @@ class EagleConfig:
     rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
     fc_bias: bool = False  # EAGLE-1's original fc had a bias; vLLM builds it without one
     attention_bias: bool = False
+    # EAGLE-3.1 (vLLM's `norm_before_fc` / `norm_output`): an RMSNorm over the concatenated taps before fc,
+    # and the draft's normed output (not its pre-norm state) as the next step's feature
+    norm_before_fc: bool = False
+    norm_output: bool = False
 
     def __post_init__(self) -> None:
         if self.head_type not in HEAD_TYPES:
@@ -57,6 +61,8 @@ class EagleConfig:
             raise ValueError("an eagle3 head needs aux_layer_ids (the tapped target layers)")
         if self.head_type == "eagle1" and self.target_hidden_size != self.hidden_size:
             raise ValueError("eagle1 feeds its output to the target's lm_head: hidden sizes must match")
+        if self.head_type == "eagle1" and (self.norm_before_fc or self.norm_output):
+            raise ValueError("norm_before_fc and norm_output are EAGLE-3.1 options: eagle3 heads only")
 
     @classmethod
     def from_target(cls, target_config, head_type: str, **overrides) -> EagleConfig:
@@ -210,6 +216,8 @@ class EagleHead(nn.Module):
             self.midlayer = DraftDecoderLayer(llama, h, eagle3=False)
         else:
             taps = len(config.aux_layer_ids)
+            if config.norm_before_fc:
+                self.input_norm = LlamaRMSNorm(taps * config.target_hidden_size, eps=config.rms_norm_eps)
             self.fc = nn.Linear(taps * config.target_hidden_size, h, bias=config.fc_bias)
             self.midlayer = DraftDecoderLayer(llama, 2 * h, eagle3=True)
             self.norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
@@ -229,7 +237,11 @@ class EagleHead(nn.Module):
 
     def project_features(self, target_features: Tensor) -> Tensor:
         """Target states (B, T, taps*Ht) -> the head's input feature (B, T, H)."""
-        return self.fc(target_features) if self.head_type == "eagle3" else target_features
+        if self.head_type != "eagle3":
+            return target_features
+        if self.config.norm_before_fc:
+            target_features = self.input_norm(target_features)
+        return self.fc(target_features)
 
     def forward(
         self,
@@ -249,7 +261,8 @@ class EagleHead(nn.Module):
             cache: draft KV cache, extended in place.
             attention_mask: (B, 1, T, past + T) additive mask; None means causal.
         Returns:
-            (B, T, H) predicted features (pre-norm), the input feature of the following step.
+            (B, T, H) predicted features, the input feature of the following step: pre-norm, or after the
+            final norm with `norm_output` (EAGLE-3.1).
         """
         past = len(cache) if cache is not None else 0
         if attention_mask is None:
@@ -260,13 +273,14 @@ class EagleHead(nn.Module):
         else:
             hidden, embeds = features, input_embeds
         position_embeddings = self.rotary_emb(hidden, position_ids)
-        return self.midlayer(hidden, embeds, position_embeddings, attention_mask, cache)
+        out = self.midlayer(hidden, embeds, position_embeddings, attention_mask, cache)
+        return self.norm(out) if self.config.norm_output else out
 
     def logits(self, hidden: Tensor, target_lm_head: nn.Module) -> Tensor:
-        """Draft logits (B, T, Vd); EAGLE-1 uses the target's frozen lm_head (Vd = V)."""
+        """Draft logits (B, T, Vd) of `forward`'s output; EAGLE-1 uses the target's lm_head (Vd = V)."""
         if self.head_type == "eagle1":
             return target_lm_head(hidden)
-        return self.lm_head(self.norm(hidden))
+        return self.lm_head(hidden if self.config.norm_output else self.norm(hidden))
 
     def to_target_ids(self, draft_ids: Tensor) -> Tensor:
         """Draft-vocabulary ids -> target ids (identity for EAGLE-1)."""

@@ -186,6 +186,8 @@ def _format_config(
         "draft_vocab_size": c.draft_vocab_size,
         "target_hidden_size": c.target_hidden_size,
         "norm_before_residual": False,  # ours adds the residual of the raw fused feature (heads/eagle.py)
+        "norm_before_fc": c.norm_before_fc,  # EAGLE-3.1, read by vLLM's speculators config
+        "norm_output": c.norm_output,
         "eagle_aux_hidden_state_layer_ids": input_ids,
         "speculators_config": {
             "algorithm": "eagle3",
@@ -258,6 +260,11 @@ def export_head(
             f"format {fmt!r} holds {HEAD_TYPE[fmt]} heads, but this head is {head.head_type}{hint}; "
             f"formats for {head.head_type}: {[f for f in FORMATS if HEAD_TYPE[f] == head.head_type]}"
         )
+    if fmt == "sglang" and (head.config.norm_before_fc or head.config.norm_output):
+        raise ValueError(
+            "the sglang layout written here has no EAGLE-3.1 norms (norm_before_fc / norm_output): they "
+            "would be dropped silently; export this head as speculators (vLLM reads both)"
+        )
     if head.head_type == "eagle3" and head.config.fc_bias:
         raise ValueError(
             f"{fmt} builds the EAGLE-3 fc without a bias: this head's fc.bias would be dropped silently"
@@ -329,9 +336,7 @@ def _eagle_config(config: dict, fmt: str) -> EagleConfig:
     }
     if fmt == "eagle1":
         return EagleConfig(**fields, fc_bias=bool(config.get("bias", False)))
-    unsupported = [
-        k for k in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output") if config.get(k)
-    ]
+    unsupported = [k for k in ("norm_before_residual", "fc_norm") if config.get(k)]
     # variants our EagleHead does not implement: loading them would draft differently, silently
     if unsupported:
         raise ValueError(f"this {fmt} head sets {unsupported}, which selfspec's EagleHead does not implement")
@@ -344,6 +349,8 @@ def _eagle_config(config: dict, fmt: str) -> EagleConfig:
         aux_layer_ids=tuple(ids),
         draft_vocab_size=config["draft_vocab_size"],
         target_hidden_size=config.get("target_hidden_size") or layer["hidden_size"],
+        norm_before_fc=bool(config.get("norm_before_fc")),
+        norm_output=bool(config.get("norm_output")),
     )
 
 

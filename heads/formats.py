@@ -112,6 +112,8 @@ def _eagle_expected_shapes(
         if spec.get("algorithm") != "eagle3" or not spec.get("proposal_methods") or "verifier" not in spec:
             errors.append("speculators_config needs algorithm 'eagle3', proposal_methods and verifier")
         expected["embed_tokens.weight"] = (v, h)
+    if config.get("norm_before_fc"):  # EAGLE-3.1: a norm over the concatenated taps
+        expected["input_norm.weight"] = (len(ids) * ht,)
     expected.update(
         {
             "fc.weight": (h, len(ids) * ht),

@@ -170,6 +170,8 @@ class EagleTrainConfig:
     feature_loss_weight: float = 1.0  # eagle1 SmoothL1 feature loss weight (EAGLE-1: 1.0); eagle3 has none
     ce_loss_weight: float = 0.1  # eagle1 soft-CE weight (EAGLE-1: 0.1); eagle3's TTT soft-CE is unweighted
     fc_bias: bool = False  # bias on fc; False matches vLLM / SGLang exports (old EAGLE-1 had one)
+    norm_before_fc: bool = False  # EAGLE-3.1: RMSNorm over the concatenated taps before fc (eagle3)
+    norm_output: bool = False  # EAGLE-3.1: the draft's normed output is its next step's feature (eagle3)
     init_from: str | None = None  # exported head folder to start from (more epochs, new data); its sizes,
     # taps and draft vocabulary win over aux_layer_ids / draft_vocab_size
 
@@ -179,6 +181,10 @@ class EagleTrainConfig:
         _at_least(self, 1, "ttt_steps")
         _require(0 < self.ttt_decay <= 1, f"ttt_decay must be in (0, 1], got {self.ttt_decay}")
         _one_of("distill_loss", self.distill_loss, DISTILL_LOSSES)
+        _require(
+            self.head_type == "eagle3" or not (self.norm_before_fc or self.norm_output),
+            "norm_before_fc and norm_output are EAGLE-3.1 options: eagle.head_type must be eagle3",
+        )
         _require(
             self.distill_loss == "soft_ce" or self.head_type == "eagle3",
             f"distill_loss {self.distill_loss!r} is for eagle3 (eagle1 drafts over the full vocabulary)",

@@ -98,6 +98,7 @@ def new_head(cfg: EagleTrainConfig, target: nn.Module, train_set) -> EagleHead:
         if cfg.aux_layer_ids is not None:
             overrides["aux_layer_ids"] = tuple(cfg.aux_layer_ids)
         overrides["draft_vocab_size"] = cfg.draft_vocab_size or None
+        overrides |= {"norm_before_fc": cfg.norm_before_fc, "norm_output": cfg.norm_output}
     head = EagleHead(EagleConfig.from_target(target.config, cfg.head_type, **overrides))
     if cfg.head_type == "eagle3":
         vocab = target.config.get_text_config().vocab_size

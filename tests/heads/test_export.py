@@ -24,6 +24,7 @@ CASES = [
     ("eagle1_bias", "eagle1"),
     ("eagle3", "sglang"),
     ("eagle3", "speculators"),
+    ("eagle3.1", "speculators"),  # EAGLE-3.1 norms: norm_before_fc's weight and both flags round-trip
 ]
 EXPECTED_FILES = {
     "sglang": ["config.json", "model.safetensors"],
@@ -53,8 +54,10 @@ def make_head(kind: str, target, **overrides):
             )
         )
     else:
-        head_type = kind.removesuffix("_bias")
+        head_type = kind.removesuffix("_bias").removesuffix(".1")
         extra = {"draft_vocab_size": 64} if head_type == "eagle3" else {}
+        if kind == "eagle3.1":
+            extra |= {"norm_before_fc": True, "norm_output": True}
         overrides = {"fc_bias": kind.endswith("_bias"), **extra, **overrides}
         head = EagleHead(EagleConfig.from_target(target.config, head_type, **overrides))
         if head_type == "eagle3":
@@ -232,6 +235,29 @@ def test_validator_catches_wrong_tap_convention_and_speculators_fields(tmp_path,
         validate_export(tmp_path / "out", "speculators")
     for part in ("convention", "target_hidden_size", "speculators_model_type"):
         assert part in str(err.value), part
+
+
+def test_eagle31_norms_are_validated_and_never_dropped(tmp_path, llama):
+    head = make_head("eagle3.1", llama)
+    export_head(head, "speculators", tmp_path / "out", target=llama)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["norm_before_fc"] is True and config["norm_output"] is True  # vLLM's speculators fields
+    weights = load_file(tmp_path / "out" / "model.safetensors")
+    assert torch.equal(weights["input_norm.weight"], head.input_norm.weight)
+    save_file(
+        {k: v for k, v in weights.items() if k != "input_norm.weight"}, tmp_path / "out" / "model.safetensors"
+    )
+    with pytest.raises(ValueError, match="input_norm.weight"):  # what an engine would leave at ones
+        validate_export(tmp_path / "out", "speculators")
+    with pytest.raises(ValueError, match="no EAGLE-3.1 norms"):
+        export_head(head, "sglang", tmp_path / "sglang")
+    save_file(weights, tmp_path / "out" / "model.safetensors")
+    assert import_head(tmp_path / "out", "speculators", target=llama).config.norm_output  # whole again
+    _edit_config(tmp_path / "out", lambda c: c.update(fc_norm=True))
+    with pytest.raises(
+        ValueError, match=r"sets \['fc_norm'\], which selfspec's EagleHead does not implement"
+    ):
+        import_head(tmp_path / "out", "speculators", target=llama)
 
 
 def test_validator_checks_medusa_vllm_bias_flag(tmp_path, llama):

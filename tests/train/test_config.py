@@ -227,6 +227,8 @@ def test_cross_field_checks():
         load_config(
             EagleRunConfig, ROOT / "configs" / "eagle1_smollm2.yaml", ["eagle.distill_loss=forward_kl"]
         )
+    with pytest.raises(ConfigError, match="EAGLE-3.1 options: eagle.head_type must be eagle3"):
+        load_config(EagleRunConfig, ROOT / "configs" / "eagle1_smollm2.yaml", ["eagle.norm_output=true"])
     with pytest.raises(ConfigError, match="set train.eval_tau_prompts > 0"):
         load_config(EagleRunConfig, None, REQUIRED + ["train.keep_best_tau=true", "train.eval_tau_prompts=0"])
 

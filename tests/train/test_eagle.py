@@ -29,8 +29,10 @@ FAST = ["train.eval_tau_prompts=0", "eagle.draft_vocab_size=256"]  # cheap steps
     "head_type, extra",
     [
         ("eagle3", ["eagle.aux_layer_ids=[0,2,3]", "eagle.draft_vocab_size=512"]),
+        ("eagle3", ["eagle.aux_layer_ids=[0,2,3]", "eagle.norm_before_fc=true", "eagle.norm_output=true"]),
         ("eagle1", []),
     ],
+    ids=["eagle3", "eagle3.1", "eagle1"],
 )
 def test_smoke_export_round_trips_and_decodes_losslessly(
     head_type, extra, tmp_path, overrides, run_recipe, tiny_target_dir, ckpt
@@ -48,9 +50,11 @@ def test_smoke_export_round_trips_and_decodes_losslessly(
     assert (config["hidden_size"], config["vocab_size"]) == (32, 49152)
     assert config["head_config"]["target_hidden_size"] == 32
     assert (config["base_model_type"], config["base_num_hidden_layers"]) == ("llama", 4)
+    norms = "eagle.norm_output=true" in extra
+    assert (config["head_config"]["norm_before_fc"], config["head_config"]["norm_output"]) == (norms, norms)
     if head_type == "eagle3":
         assert config["head_config"]["aux_layer_ids"] == [0, 2, 3]
-        assert config["head_config"]["draft_vocab_size"] == 512
+        assert config["head_config"]["draft_vocab_size"] == (49152 if norms else 512)
     else:
         assert config["head_config"]["aux_layer_ids"] is None
     assert config["train_step"] == 2

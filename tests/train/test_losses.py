@@ -54,11 +54,17 @@ def test_ttt_mask_by_hand():
     ]  # prefix <= 1, ancestor at 2, self
 
 
+@pytest.mark.parametrize("norms", [{}, {"norm_before_fc": True, "norm_output": True}], ids=["eagle3", "3.1"])
 @pytest.mark.parametrize("depth", [1, 2, 3])
-def test_ttt_steps_equal_decode_time_chain_drafting(target, depth):
-    """TTT step j at position t must compute what the decoder computes for a depth-j chain node."""
+def test_ttt_steps_equal_decode_time_chain_drafting(target, depth, norms):
+    """TTT step j at position t must compute what the decoder computes for a depth-j chain node (also with
+    the EAGLE-3.1 norms, whose weights are set off ones so a missed norm would show)."""
     torch.manual_seed(1)
-    head = EagleHead(EagleConfig.from_target(target.config, "eagle3", draft_vocab_size=V)).eval()
+    head = EagleHead(EagleConfig.from_target(target.config, "eagle3", draft_vocab_size=V, **norms)).eval()
+    with torch.no_grad():
+        for name, param in head.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
     ids = torch.randint(0, V, (1, 12))
     feats, logits = _target_pass(target, head, ids)
     captured = {}
