@@ -1,7 +1,7 @@
 """Train one head per arm of an ablation spec and tabulate their acceptance (train/ablation.py has the spec
 format). Rerun the same command to resume: finished arms are skipped, an interrupted one resumes.
 
-    python scripts/ablate.py configs/ablation_smollm2.yaml [--arms baseline ttt5] [--no-train]
+    python scripts/ablate.py configs/ablation/smollm2.yaml [--arms baseline ttt5] [--no-train]
 
 Prompts per category: chat and instruction from data/smollm2/prompts_eval.jsonl, code from HumanEval
 (prompts_code_eval.jsonl), the benchmark's own (decode.benchmark.load_prompts), never trained on. Writes

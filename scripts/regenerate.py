@@ -23,7 +23,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--prompts", type=Path, required=True, help="JSON/JSONL chat rows; ids are file:line")
+    parser.add_argument(
+        "--prompts", type=Path, required=True, help="JSON/JSONL chat rows; a row without an id gets file:line"
+    )
     parser.add_argument("--out", type=Path, required=True, help="folder for shard-NNNNN.jsonl")
     parser.add_argument("--model", default=DEFAULT_TARGET, help="target name, local folder or hub id")
     parser.add_argument("--max-new-tokens", type=int, default=256)
@@ -39,6 +41,11 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--shard-size", type=int, default=256, help="rows per shard (the unit of resumption)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
+    parser.add_argument(
+        "--drop-stale",
+        action="store_true",
+        help="first drop finished chats whose prompt changed since (they are answered again)",
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32", choices=list(TORCH_DTYPES))
     args = parser.parse_args()
@@ -60,6 +67,7 @@ def main() -> None:
         shard_size=args.shard_size,
         seed=args.seed,
         max_prompt_tokens=args.max_prompt_tokens,
+        drop_stale=args.drop_stale,
     )
     print(
         f"{args.out}: {stats['generated']} prompts answered in {stats['shards']} new shards, "

@@ -34,6 +34,7 @@ from heads.files import write_json, write_text
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ("eagle", "medusa")
 DONE = "ablation_done.json"  # written in an arm's folder when its run finished
+SPENT = "ablation_seconds.json"  # training seconds of an arm's launches so far
 
 
 @dataclass(kw_only=True)
@@ -99,7 +100,8 @@ def arm_command(spec: AblationSpec, name: str) -> list[str]:
 
 
 def run_arm(spec: AblationSpec, name: str, log=print) -> dict:
-    """Train arm `name` unless it finished before; returns its record ({"arm", "overrides", "seconds"})."""
+    """Train arm `name` unless it finished before; returns its record ({"arm", "overrides", "seconds"}, the
+    seconds of all its launches, resumed ones included)."""
     out = spec.output_dir / name
     done = out / DONE
     if done.is_file():
@@ -108,14 +110,20 @@ def run_arm(spec: AblationSpec, name: str, log=print) -> dict:
         return record
     command = arm_command(spec, name)
     log(f"[{name}] " + " ".join(command[1:]))
-    start = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
-    with (out / "train.log").open("a") as stream:
-        run = subprocess.run(command, cwd=ROOT, stdout=stream, stderr=subprocess.STDOUT, check=False)
+    spent = out / SPENT  # seconds of the launches before this one (an interrupted arm resumes)
+    before = json.loads(spent.read_text())["seconds"] if spent.is_file() else 0.0
+    start = time.perf_counter()
+    try:
+        with (out / "train.log").open("a") as stream:
+            run = subprocess.run(command, cwd=ROOT, stdout=stream, stderr=subprocess.STDOUT, check=False)
+    finally:  # also when interrupted (Ctrl-C); a killed runner loses this launch's time only
+        seconds = before + time.perf_counter() - start
+        write_json(spent, {"seconds": seconds})
     if run.returncode != 0:
         tail = "\n".join((out / "train.log").read_text().splitlines()[-15:])
         raise RuntimeError(f"arm {name!r} failed (exit {run.returncode}); {out / 'train.log'} ends:\n{tail}")
-    record = {"arm": name, "overrides": spec.arms[name], "seconds": time.perf_counter() - start}
+    record = {"arm": name, "overrides": spec.arms[name], "seconds": seconds}
     write_json(done, record)
     return record
 

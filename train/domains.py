@@ -169,6 +169,11 @@ def code_prompts() -> list[dict]:
     return rows
 
 
+def function_key(row: dict) -> str:
+    """The library function a code prompt row asks about ("<module path>:<name>"), whatever its wording."""
+    return row["id"].split("/", 1)[1]
+
+
 def reasoning_gym_prompts(tasks: dict[str, tuple[str, int]], seed: int = 0) -> list[dict]:
     """Questions of reasoning-gym generators, drawn in its cached venv (built on first use, ~1 min).
 
@@ -179,14 +184,16 @@ def reasoning_gym_prompts(tasks: dict[str, tuple[str, int]], seed: int = 0) -> l
         prompt rows, one user turn each, id "<source>/<index>".
     """
     folder = venv_folder("reasoning-gym", "SELFSPEC_REASONING_GYM_VENV")
-    python, _ = cached_venv(folder, [REASONING_GYM], check="import reasoning_gym", stamp=REASONING_GYM[0])
+    python, _ = cached_venv(
+        folder, [REASONING_GYM], check="import reasoning_gym", stamp=" ".join(REASONING_GYM)
+    )
     request = [[name, size, seed] for name, (_, size) in tasks.items()]
     run = subprocess.run(
         [str(python), "-c", GENERATE, json.dumps(request)],
         check=False,
         capture_output=True,
         text=True,
-        env=clean_env(),
+        env=clean_env() | {"PYTHONHASHSEED": "0"},  # some generators iterate over sets (sympy terms)
         timeout=1200,
     )
     if run.returncode != 0:

@@ -92,6 +92,13 @@ def new_head(cfg: EagleTrainConfig, target: nn.Module, train_set) -> EagleHead:
                 f"eagle.init_from={cfg.init_from} holds a {head.head_type} head, but "
                 f"eagle.head_type is {cfg.head_type}"
             )
+        for key in ("norm_before_fc", "norm_output"):  # architecture, not training: the head's own wins
+            asked, held = getattr(cfg, key), getattr(head.config, key, False)
+            if asked and not held:
+                raise ValueError(
+                    f"eagle.{key}=true, but the head in eagle.init_from={cfg.init_from} has no {key}: "
+                    "start a new head, or drop the option"
+                )
         return head.train().requires_grad_(True)
     overrides = {"fc_bias": cfg.fc_bias}
     if cfg.head_type == "eagle3":
@@ -137,7 +144,7 @@ class DraftVocabLogits(nn.Module):
             return self._cap(nn.functional.linear(hidden, self.weight))
         flat, parts = hidden.reshape(-1, hidden.shape[-1]), []
         for rows in flat.split(self.chunk):
-            full = self._cap(nn.functional.linear(rows, self._full))  # (n, V)
+            full = self._cap(nn.functional.linear(rows, self._full)).float()  # (n, V); log-sum-exp in fp32
             outside = full.masked_fill(~self._outside, float("-inf")).logsumexp(-1, keepdim=True)
             parts.append(torch.cat([full[:, self._t2d], outside], dim=-1))
         return torch.cat(parts).reshape(*hidden.shape[:-1], -1)

@@ -6,6 +6,7 @@ batch, its evaluation and its export."""
 from __future__ import annotations
 
 import math
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -97,7 +98,11 @@ def train_loop(
     """
     accelerator, train, module, optimizer = run.accelerator, run.cfg.train, run.module, run.optimizer
     step, num_steps, per_epoch = run.start_step, run.num_steps, run.per_epoch
-    best = best_tau(run.output_dir)  # a resumed run keeps the best of its earlier part
+    best = best_tau(run.output_dir) if step > 0 else None  # a resumed run keeps the best of its earlier part
+    if step == 0 and train.keep_best_tau and accelerator.is_main_process:
+        for stale in (BEST_DIR, BEST_DIR.replace("head", "lora")):  # a fresh run in a reused folder
+            shutil.rmtree(run.output_dir / stale, ignore_errors=True)
+    accelerator.wait_for_everyone()
     progress = tqdm(total=num_steps, initial=step, disable=not accelerator.is_main_process, desc="train")
     logger = StepLogger(accelerator, progress, train.log_every_steps)
     while step < num_steps:

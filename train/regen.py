@@ -95,7 +95,8 @@ def batched_generate(
 
 
 def read_prompts(path: str | Path, start: int = 0, limit: int | None = None) -> list[dict]:
-    """Rows `start` to `limit` - 1 of a JSON/JSONL chat file, each with the id "<file name>:<line>".
+    """Rows `start` to `limit` - 1 of a JSON/JSONL chat file, each with its own "id", or "<file name>:<line>"
+    when it has none (the prompt pools' rows have theirs: the same chat whatever its line).
 
     Raises:
         BadRow: a line that is not a JSON object (naming the file and line).
@@ -133,6 +134,7 @@ def regenerate(
     shard_size: int = 256,
     seed: int = 0,
     max_prompt_tokens: int | None = None,
+    drop_stale: bool = False,
 ) -> dict[str, int]:
     """Answer every prompt with the target itself and write the chats as JSONL shards (self-distillation).
 
@@ -154,6 +156,8 @@ def regenerate(
         max_prompt_tokens: prompts longer than this (rendered, in tokens) are left out and counted, not
             answered: eager attention over a batch of them needs batch x heads x length^2 floats (one
             14k-token prompt in a batch of 48 asks for tens of GiB). None: no limit.
+        drop_stale: first remove the finished chats whose prompt is no longer the prompt of their id in
+            `rows` (`drop_stale_chats`), so they are answered again.
     Returns:
         {"skipped": rows already done, "generated": rows written now, "shards": shards written now,
         "too_long": prompts left out for max_prompt_tokens}.
@@ -162,11 +166,15 @@ def regenerate(
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    done = {row["id"] for path in out.glob("shard-*.jsonl") for _, row in read_rows(path)}
-    todo, skipped = {}, 0
+    rows = list(rows)
     for row in rows:
         if "id" not in row:
             raise BadRow(f"prompt row without 'id' (keys: {sorted(row)})")
+    if drop_stale:
+        drop_stale_chats(out, rows)
+    done = {row["id"] for path in out.glob("shard-*.jsonl") for _, row in read_rows(path)}
+    todo, skipped = {}, 0
+    for row in rows:
         skipped += row["id"] in done
         if row["id"] not in done and row["id"] not in todo:
             todo[row["id"]] = {"id": row["id"], "source": row.get("source"), "messages": _prompt(row)}
@@ -226,3 +234,26 @@ def regenerate(
         "shards": -(-len(todo) // shard_size),
         "too_long": too_long,
     }
+
+
+def drop_stale_chats(out_dir: str | Path, rows: list[dict]) -> list[str]:
+    """Remove from the shards in `out_dir` every chat whose id is among `rows` but whose prompt (its messages
+    before the reply) differs from that row's prompt now; each shard is rewritten atomically. Chats of ids
+    not in `rows` are kept.
+
+    Returns:
+        the ids removed.
+    """
+    prompts = {row["id"]: _prompt(row) for row in rows}
+    removed = []
+    for path in sorted(Path(out_dir).glob("shard-*.jsonl")):
+        kept, stale = [], []
+        for number, chat in read_rows(path):
+            if isinstance(chat, Exception):
+                raise BadRow(f"{path}:{number}: {chat}") from chat
+            now = prompts.get(chat.get("id"))
+            (stale if now is not None and chat["messages"][:-1] != now else kept).append(chat)
+        if stale:
+            write_jsonl(path, kept)
+            removed += [chat["id"] for chat in stale]
+    return removed

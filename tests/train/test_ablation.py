@@ -12,7 +12,8 @@ import pytest
 import yaml
 
 from heads.target import load_target
-from train.ablation import DONE, arm_command, evaluate_arm, load_spec, render, run_arm, write_results
+from train.ablation import DONE, SPENT, arm_command, evaluate_arm, load_spec, render, run_arm, write_results
+from train.config import EagleRunConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_YAML = ROOT / "configs" / "tiny_test.yaml"
@@ -75,7 +76,16 @@ def test_two_arms_train_resume_evaluate_and_tabulate(tmp_path, tiny_target_dir, 
     arms = {"reference": [], "ttt1": ["eagle.ttt_steps=1"], "broken": ["eagle.ttt_steps=0"]}
     spec = load_spec(_spec_file(tmp_path, overrides=common, arms=arms, prompts=2, new_tokens=6))
     logs = []
+    # "ttt1" interrupted after one step: a first launch that stops there, then the arm resumes from step 1
+    first = load_spec(
+        _spec_file(tmp_path, overrides=common, arms={"ttt1": ["eagle.ttt_steps=1", "train.max_steps=1"]})
+    )
+    run_arm(first, "ttt1", log=logs.append)
+    (spec.output_dir / "ttt1" / DONE).unlink()
+    spent = json.loads((spec.output_dir / "ttt1" / SPENT).read_text())["seconds"]
     records = [run_arm(spec, name, log=logs.append) for name in ("reference", "ttt1")]
+    assert "resum" in (spec.output_dir / "ttt1" / "train.log").read_text().lower()
+    assert records[1]["seconds"] > spent  # both launches counted
     assert all((spec.output_dir / n / "head" / "config.json").is_file() for n in ("reference", "ttt1"))
     assert json.loads((spec.output_dir / "ttt1" / DONE).read_text())["overrides"] == ["eagle.ttt_steps=1"]
     trained = json.loads((spec.output_dir / "ttt1" / "head" / "config.json").read_text())["training"]
@@ -107,3 +117,11 @@ def test_script_refuses_an_unknown_arm(tmp_path, capsys):
     main = runpy.run_path(str(ROOT / "scripts" / "ablate.py"))["main"]
     with pytest.raises(SystemExit, match=r"no arm\(s\) \['nope'\]"):
         main([str(_spec_file(tmp_path)), "--arms", "nope"])
+
+
+def test_the_committed_spec_loads_and_every_arm_is_a_valid_run_config():
+    spec = load_spec(ROOT / "configs" / "ablation" / "smollm2.yaml")
+    assert next(iter(spec.arms)) == "baseline" and len(spec.arms) >= 8
+    for name in spec.arms:
+        cfg = load_config(EagleRunConfig, ROOT / spec.base, arm_command(spec, name)[3:])
+        assert cfg.train.max_steps == 600 and cfg.train.output_dir == str(spec.output_dir / name)

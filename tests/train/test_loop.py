@@ -150,6 +150,8 @@ def test_loop_keeps_the_export_of_the_best_simulated_tau(tmp_path, overrides, fr
             export=export,
         )
 
+    (out / BEST_DIR).mkdir(parents=True)  # left by another run in this folder: a fresh run ignores it
+    (out / BEST_DIR / "config.json").write_text(json.dumps({"eval_tau": 9.0}))
     torch.manual_seed(0)
     run_once()
     assert exports == [(2, BEST_DIR, 1.2), (4, BEST_DIR, 1.5), (6, EXPORT_DIR, None)]

@@ -240,8 +240,9 @@ def test_draft_vocab_logits_soft_cap_and_chunk_like_the_full_head():
 
 def test_forward_kl_weighs_the_target_mass_inside_the_draft_vocabulary(target):
     """soft_ce trains on the target distribution renormalised over the draft vocabulary, forward_kl on the
-    target's own probabilities of those tokens: the two losses differ exactly by that per-position factor,
-    agree when the draft vocabulary is the whole vocabulary, and forward_kl refuses logits without the
+    target's own probabilities of those tokens: forward_kl weighs each position by the target's mass inside
+    the draft vocabulary (exactly, shown with a uniform draft); the two agree when the draft vocabulary is
+    the whole vocabulary, and forward_kl refuses logits without the
     outside mass."""
     from train.losses import draft_target_probs
 
@@ -276,6 +277,15 @@ def test_forward_kl_weighs_the_target_mass_inside_the_draft_vocabulary(target):
     }
     assert losses["forward_kl"][0] < losses["soft_ce"][0]  # every position scaled by its mass < 1
     torch.testing.assert_close(losses["forward_kl"][1]["draft_mass"], losses["soft_ce"][1]["draft_mass"])
+    with torch.no_grad():  # a uniform draft: each position's -sum p log q is (its mass) x log Vd
+        head.lm_head.weight.zero_()
+    uniform = {
+        distill: eagle3_ttt_loss(head, features, ids, full_logits, mask, embed, ttt_steps=1, distill=distill)
+        for distill in ("soft_ce", "forward_kl")
+    }
+    log_vd = torch.log(torch.tensor(16.0))
+    torch.testing.assert_close(uniform["soft_ce"][0], log_vd)
+    torch.testing.assert_close(uniform["forward_kl"][0], uniform["forward_kl"][1]["draft_mass"] * log_vd)
     whole = EagleHead(EagleConfig.from_target(target.config, "eagle3"))  # draft vocabulary = vocabulary
     same = [
         eagle3_ttt_loss(whole, features, ids, full_logits, mask, embed, ttt_steps=2, distill=d)[0]

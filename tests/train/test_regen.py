@@ -88,6 +88,25 @@ def test_second_run_skips_finished_ids_and_adds_new_ones(tmp_path, model, tokeni
     assert [row["id"] for row in after["shard-00002.jsonl"]] == ["p3", "p4"]
 
 
+def test_drop_stale_answers_again_the_prompts_that_changed(tmp_path, model, tokenizer):
+    regenerate(model, tokenizer, PROMPTS, tmp_path, batch_size=2, max_new_tokens=3, shard_size=2)
+    before = _shards(tmp_path)
+    changed = [dict(p) for p in PROMPTS]
+    changed[1] = {**changed[1], "messages": [{"role": "user", "content": "What is 3 + 3?"}]}
+    stats = regenerate(model, tokenizer, changed, tmp_path, batch_size=2, max_new_tokens=3, shard_size=2)
+    assert stats["generated"] == 0  # without drop_stale a finished id is never looked at again
+    stats = regenerate(
+        model, tokenizer, changed[:4], tmp_path, batch_size=2, max_new_tokens=3, shard_size=2, drop_stale=True
+    )
+    assert stats == {"skipped": 3, "generated": 1, "shards": 1, "too_long": 0}
+    after = _shards(tmp_path)
+    assert [r["id"] for r in after["shard-00000.jsonl"]] == ["p0"]  # p1 left its shard
+    assert after["shard-00001.jsonl"] == before["shard-00001.jsonl"]
+    assert [r["id"] for r in after["shard-00002.jsonl"]] == ["p4"]  # not among the rows given: kept
+    (answer,) = after["shard-00003.jsonl"]
+    assert answer["id"] == "p1" and answer["messages"][:-1] == changed[1]["messages"]
+
+
 def test_killed_run_resumes(tmp_path, model, tokenizer, monkeypatch):
     calls = {"n": 0}
     generate = regen.batched_generate
@@ -219,6 +238,9 @@ def test_read_prompts_names_rows_by_line_and_refuses_a_bad_line_or_an_empty_rang
     path.write_text("".join(json.dumps({"messages": p["messages"]}) + "\n" for p in PROMPTS))
     rows = read_prompts(path, start=1, limit=3)
     assert [row["id"] for row in rows] == ["prompts.jsonl:2", "prompts.jsonl:3"]  # lines count from 1
+    path.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    assert [row["id"] for row in read_prompts(path, limit=2)] == ["p0", "p1"]  # a row's own id wins
+    path.write_text("".join(json.dumps({"messages": p["messages"]}) + "\n" for p in PROMPTS))
     assert rows[0]["messages"] == PROMPTS[1]["messages"]
     assert len(read_prompts(path)) == len(PROMPTS)
     with pytest.raises(ValueError, match=r"prompts.jsonl: no prompts in \[5, None\) of 5 rows"):
