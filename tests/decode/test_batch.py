@@ -1,0 +1,123 @@
+"""decode/batch.py: B sequences in one target forward per step. Batched verification of B trees equals each
+tree verified alone (over two steps, with accepted paths that are not tree prefixes, so the KV moves), and
+batched greedy plain decoding equals per-prompt decoding and transformers' own batched generate, with prompts
+of different lengths (left padding) and rows that finish early."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from decode import generate
+from decode.batch import commit, generate_plain_batch, prefill, verify_batch
+from decode.tree import DraftTree
+from decode.verify import compact_cache, verify
+
+ARCHS = ["llama", "qwen2", "mistral", "gemma", "gemma2", "gemma3_text"]
+
+
+def _left_pad(prompts: list[torch.Tensor], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :], mask[row, width - len(prompt) :] = prompt, 1
+    return ids, mask
+
+
+def _random_tree(generator: torch.Generator, size: int, vocab: int, root: int) -> DraftTree:
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=generator)) for i in range(1, size)]
+    ranks, seen = [0], {}
+    for parent in parents[1:]:
+        ranks.append(seen.get(parent, 0))
+        seen[parent] = ranks[-1] + 1
+    tokens = torch.randint(0, vocab, (size,), generator=generator)
+    tokens[0] = root
+    return DraftTree(tokens=tokens, parents=torch.tensor(parents), ranks=torch.tensor(ranks))
+
+
+def _path(tree: DraftTree, node: int) -> list[int]:
+    path = [node]
+    while tree.parents[path[-1]] >= 0:
+        path.append(int(tree.parents[path[-1]]))
+    return path[::-1]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_batched_verify_equals_each_tree_alone_over_two_steps(build_target, arch):
+    model = build_target(arch)
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 128, (n,), generator=generator) for n in (5, 9, 2)]
+    ids, mask = _left_pad(prompts)
+    state, last, _ = prefill(model, ids, mask)
+    alone = []  # per row: (cache, committed length), the single-sequence path of decode/verify.py
+    for row, prompt in enumerate(prompts):
+        cache = DynamicCache(config=model.config)
+        out = model(input_ids=prompt[None], cache=cache, use_cache=True)
+        torch.testing.assert_close(last[row], out.logits[0, -1], atol=1e-4, rtol=1e-4)
+        alone.append([cache, len(prompt)])
+    roots = [int(r) for r in last.argmax(-1)]
+    for step in range(2):
+        trees = [_random_tree(generator, 6, 128, root) for root in roots]
+        logits, _ = verify_batch(
+            model,
+            state,
+            torch.stack([t.tokens for t in trees]),
+            torch.stack([t.depths for t in trees]),
+            torch.stack([t.ancestors for t in trees]),
+        )
+        keeps = []
+        for row, tree in enumerate(trees):
+            cache, past = alone[row]
+            expected, _ = verify(model, cache, tree, past)
+            torch.testing.assert_close(logits[row], expected, atol=1e-4, rtol=1e-4, msg=f"{arch} row {row}")
+            keep = _path(tree, [5, 4, 0][row] if step == 0 else 3)  # deep, other branch, root only
+            compact_cache(cache, past, keep)
+            alone[row][1] += len(keep)
+            keeps.append(keep)
+        commit(state, keeps, 6)
+        assert state.lengths.tolist() == [past for _, past in alone]
+        assert (
+            state.columns == int(state.ends.max()) and state.valid.sum(-1).tolist() == state.lengths.tolist()
+        )
+        roots = [int(trees[row].tokens[keeps[row][-1]]) for row in range(3)]  # any token serves as next root
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_batched_plain_decoding_equals_each_prompt_alone_and_transformers(build_target, arch):
+    model = build_target(arch)
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, 128, (n,), generator=generator) for n in (7, 3, 11, 5)]
+    ids, mask = _left_pad(prompts)
+    batched = generate_plain_batch(model, ids, mask, max_new_tokens=12, eos_token_id=[])
+    for row, prompt in enumerate(prompts):
+        alone = generate(model, prompt, None, max_new_tokens=12, eos_token_id=[])
+        assert batched[row] == alone.sequences[0, len(prompt) :].tolist(), f"row {row}"
+    reference = model.generate(
+        ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None
+    )
+    assert [list(r) for r in reference[:, ids.shape[1] :].tolist()] == batched
+
+
+def test_rows_that_stop_leave_the_batch(build_target):
+    model = build_target("llama")
+    generator = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(1, 128, (n,), generator=generator) for n in (4, 6, 8)]
+    ids, mask = _left_pad(prompts)
+    free = generate_plain_batch(model, ids, mask, max_new_tokens=10, eos_token_id=[])
+    stop = free[1][3]  # row 1's fourth token ends its reply (and any other row's that meets it)
+    stopped = generate_plain_batch(model, ids, mask, max_new_tokens=10, eos_token_id=stop)
+    for row in range(3):
+        expected = free[row][: free[row].index(stop) + 1] if stop in free[row] else free[row]
+        assert stopped[row] == expected
+    assert len(stopped[1]) <= 4
+
+
+def test_bad_batches_are_refused(build_target):
+    model = build_target("llama")
+    ids, mask = _left_pad([torch.tensor([1, 2, 3]), torch.tensor([4])])
+    with pytest.raises(ValueError, match="left-padded"):
+        prefill(model, ids, mask.flip(-1))
+    with pytest.raises(ValueError, match="one \\(B, T\\) shape"):
+        prefill(model, ids, mask[:, 1:])
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+        generate_plain_batch(model, ids, mask, max_new_tokens=0)
