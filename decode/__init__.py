@@ -1,5 +1,6 @@
 """Tree-attention speculative decoding: trees, verification, acceptance, `prepare` and `generate`."""
 
+from decode.batch import BatchOutput, generate_batch
 from decode.calibrate import Calibration, calibrate
 from decode.generate import GenerateOutput, generate
 from decode.prepare import is_int8_draft, prepare
@@ -17,6 +18,7 @@ from decode.tree import (
 __all__ = [
     "DEFAULT_EAGLE_TREE",
     "DEFAULT_TREES",
+    "BatchOutput",
     "Calibration",
     "DynamicTree",
     "GenerateOutput",
@@ -25,6 +27,7 @@ __all__ = [
     "build_tree",
     "calibrate",
     "generate",
+    "generate_batch",
     "is_int8_draft",
     "prepare",
     "tree_label",

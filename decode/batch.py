@@ -7,18 +7,25 @@ row's committed length (`lengths`), not from the column, so a row's holes cost n
 step, `commit` moves each row's accepted tree entries right behind that row's last committed column and cuts
 the columns no row uses any more: the cache grows by the longest accepted path, not by the tree size.
 
-Used by `generate_plain_batch` (greedy plain decoding of B prompts, the baseline of batched speculation) and
-tested against per-prompt verification and transformers' own batched `generate`.
+`generate_batch` decodes B prompts with draft trees (one drafter per row, the target verifying every row's
+tree in one forward; `decode.generate` routes a batch here), or without (`heads=None`: plain decoding through
+the same loop). Tested against per-prompt decoding and transformers' own batched `generate`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
+import time
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 from transformers import DynamicCache
 
+from decode.accept import accept_greedy, accept_sampling, sample, target_probs
+from decode.propose import Drafter, drafter_limits, make_drafter, propose
+from decode.timing import synchronize
+from decode.tree import resolve_tree
 from heads.eagle import additive_mask
 from heads.features import FeatureCapture
 
@@ -162,40 +169,193 @@ def commit(state: BatchState, keep: list[list[int]], tree_size: int) -> None:
     state._trim()
 
 
+def stop_tokens(model: nn.Module, eos_token_id) -> set[int]:
+    """The stop token ids: `eos_token_id` (an id or a list), else the model's generation_config's."""
+    if eos_token_id is None:
+        eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos_token_id is None:
+        return set()
+    ids = eos_token_id if isinstance(eos_token_id, (list, tuple, set)) else [eos_token_id]
+    return {int(e) for e in ids}
+
+
+def truncate_at_stop(tokens: list[int], eos: set[int], max_new_tokens: int) -> list[int]:
+    """Cut at the first stop token (kept) and at max_new_tokens."""
+    for i, token in enumerate(tokens):
+        if token in eos:
+            tokens = tokens[: i + 1]
+            break
+    return tokens[:max_new_tokens]
+
+
+@dataclass
+class BatchOutput:
+    """Per-row results of `generate_batch`; statistics as `decode.generate.GenerateOutput`'s, per row."""
+
+    sequences: Tensor  # (B, T + longest reply): the left-padded prompts, each reply after them, right-padded
+    new_tokens: list[int]  # per row: tokens generated (EOS included when hit)
+    tau: list[float]  # per row: tokens emitted per verify pass, the bonus token included
+    steps: list[int]  # per row: verify passes it took part in
+    accepted_per_depth: list[list[int]] = field(default_factory=list)  # per row, as GenerateOutput's
+    target_forwards: int = 0  # batched target forwards, the prefill included
+    seconds: float = 0.0
+
+    @property
+    def replies(self) -> list[list[int]]:
+        width = self.sequences.shape[1] - max(self.new_tokens, default=0)
+        return [self.sequences[r, width : width + n].tolist() for r, n in enumerate(self.new_tokens)]
+
+
 @torch.no_grad()
-def generate_plain_batch(
+def generate_batch(
     model: nn.Module,
     input_ids: Tensor,
-    attention_mask: Tensor,
+    attention_mask: Tensor | None = None,
+    heads: nn.Module | list[Drafter] | None = None,
     *,
     max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    tree=None,
+    seed: int | None = None,
     eos_token_id: int | list[int] | None = None,
-) -> list[list[int]]:
-    """Greedy plain decoding of B left-padded prompts through the batched verify path (trees of one node):
-    each row's new tokens, EOS included when hit; a finished row leaves the batch and the cache."""
+    pad_token_id: int = 0,
+) -> BatchOutput:
+    """Speculative decoding of B prompts at once: every row drafts its own tree below its own last token, one
+    target forward verifies all B trees (`verify_batch`), each row accepts its own path (greedy, or the
+    lossless sampling rule with temperature > 0) and keeps its own KV (`commit`); a row that stops (EOS,
+    max_new_tokens) leaves the batch and drafts no more.
+
+    Args:
+        model: the target.
+        input_ids: (B, T) left-padded prompts.
+        attention_mask: (B, T), 1 on tokens; None = no padding.
+        heads: a head module (one drafter per row is made from it), a list of B drafters, or None (plain
+            decoding through the same loop).
+        max_new_tokens, temperature, top_p, top_k, tree, seed, eos_token_id: as `decode.generate`.
+        pad_token_id: what pads the replies in `sequences`.
+    Returns:
+        BatchOutput.
+    """
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be (B, T), got shape {tuple(input_ids.shape)}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    eos = eos_token_id if eos_token_id is not None else model.generation_config.eos_token_id
-    stop = set(eos if isinstance(eos, (list, tuple, set)) else [] if eos is None else [eos])
-    state, last, _ = prefill(model, input_ids, attention_mask)
-    rows = list(range(input_ids.shape[0]))
-    outputs: list[list[int]] = [[] for _ in rows]
-    root = last.argmax(-1)  # (B,)
-    one = torch.ones(1, 1, 1, dtype=torch.bool, device=root.device)
-    while True:
-        alive = []
-        for i, (row, token) in enumerate(zip(rows, root.tolist())):
-            outputs[row].append(token)
-            if token not in stop and len(outputs[row]) < max_new_tokens:
-                alive.append(i)
-        if not alive:
-            return outputs
-        if len(alive) < len(rows):
-            keep = torch.tensor(alive, device=root.device)
-            state.select(keep)
-            rows, root = [rows[i] for i in alive], root[keep]
-        b = len(rows)
-        depths = torch.zeros(b, 1, dtype=torch.long, device=root.device)
-        logits, _ = verify_batch(model, state, root[:, None], depths, one.expand(b, 1, 1))
-        commit(state, [[0]] * b, 1)
-        root = logits[:, 0].argmax(-1)
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    batch = input_ids.shape[0]
+    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+    if isinstance(heads, (list, tuple)):
+        if len(heads) != batch:
+            raise ValueError(f"{len(heads)} drafters for a batch of {batch}")
+        drafters = list(heads)
+    else:
+        drafters = [None if heads is None else make_drafter(heads, model) for _ in range(batch)]
+    spec = None
+    if drafters[0] is not None:
+        max_depth, dynamic = drafter_limits(heads[0] if isinstance(heads, (list, tuple)) else heads)
+        spec = resolve_tree(tree, max_depth=max_depth, dynamic=dynamic, device=model.device)
+    generator = torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None
+    eos = stop_tokens(model, eos_token_id)
+    vocab_size = model.get_output_embeddings().weight.shape[0]
+
+    synchronize(model.device)
+    start = time.perf_counter()
+    layers = drafters[0].feature_layers if drafters[0] is not None else None
+    capture = FeatureCapture(model, layers) if layers is not None else None
+    with capture if capture is not None else contextlib.nullcontext():
+        state, last, features = prefill(model, input_ids, mask, capture)
+        forwards = 1
+
+        def first(logits: Tensor) -> Tensor:
+            if temperature == 0:
+                return logits.argmax(-1)
+            return sample(target_probs(logits, temperature, top_p, top_k), generator)
+
+        roots = [first(last[r]).view(1) for r in range(batch)]
+        generated = [[int(root)] for root in roots]
+        stats = [{"steps": 0, "emitted": 0, "per_depth": []} for _ in range(batch)]
+        rows = [r for r in range(batch) if not (generated[r][0] in eos or max_new_tokens == 1)]
+        prompt = input_ids.to(model.device)
+        for r in rows:
+            if drafters[r] is not None:
+                valid = state.valid[r]
+                drafters[r].advance(features[r][valid], torch.cat([prompt[r][valid][1:], roots[r]]))
+        if len(rows) < batch:
+            state.select(torch.tensor(rows, dtype=torch.long, device=state.valid.device))
+        while rows:
+            trees = [
+                propose(
+                    drafters[r],
+                    roots[r],
+                    spec,
+                    temperature=temperature,
+                    generator=generator,
+                    vocab_size=vocab_size,
+                )
+                for r in rows
+            ]
+            sizes = {len(t) for t in trees}
+            if len(sizes) != 1:
+                raise NotImplementedError(
+                    f"the rows' trees differ in size ({sorted(sizes)}): one size per step"
+                )
+            size = sizes.pop()
+            logits, step_features = verify_batch(
+                model,
+                state,
+                torch.stack([t.tokens for t in trees]),
+                torch.stack([t.depths for t in trees]),
+                torch.stack([t.ancestors for t in trees]),
+                capture,
+            )
+            forwards += 1
+            keeps, alive = [], []
+            for i, (r, draft) in enumerate(zip(rows, trees)):
+                if temperature == 0:
+                    path, bonus = accept_greedy(draft, logits[i])
+                else:
+                    path, bonus = accept_sampling(draft, logits[i], temperature, top_p, top_k, generator)
+                host = torch.cat([path, bonus.view(1), draft.tokens]).tolist()
+                keep = [node for node in host[: path.numel()] if node >= 0]
+                tokens = host[path.numel() + 1 :]
+                new = [tokens[node] for node in keep[1:]] + [host[path.numel()]]
+                generated[r] += new
+                stat = stats[r]
+                stat["steps"] += 1
+                stat["emitted"] += len(new)
+                for depth in range(1, len(keep)):
+                    stat["per_depth"] += [0] * (depth - len(stat["per_depth"]))
+                    stat["per_depth"][depth - 1] += 1
+                keeps.append(keep)
+                roots[r] = bonus.view(1)
+                if not (eos.intersection(new) or len(generated[r]) >= max_new_tokens):
+                    alive.append(i)
+                    if drafters[r] is not None:
+                        kept = torch.tensor(keep, device=logits.device)
+                        drafters[r].advance(
+                            step_features[i].index_select(0, kept),
+                            torch.cat([draft.tokens[kept[1:]], roots[r]]),
+                        )
+            commit(state, keeps, size)
+            if len(alive) < len(rows):
+                state.select(torch.tensor(alive, dtype=torch.long, device=state.valid.device))
+                rows = [rows[i] for i in alive]
+    synchronize(model.device)
+    seconds = time.perf_counter() - start
+    replies = [truncate_at_stop(g, eos, max_new_tokens) for g in generated]
+    width = max(len(reply) for reply in replies)
+    sequences = torch.full((batch, input_ids.shape[1] + width), pad_token_id, dtype=input_ids.dtype)
+    sequences[:, : input_ids.shape[1]] = input_ids.cpu()
+    for r, reply in enumerate(replies):
+        sequences[r, input_ids.shape[1] : input_ids.shape[1] + len(reply)] = torch.tensor(reply)
+    return BatchOutput(
+        sequences=sequences.to(input_ids.device),
+        new_tokens=[len(reply) for reply in replies],
+        tau=[(len(reply) - 1) / st["steps"] if st["steps"] else 1.0 for reply, st in zip(replies, stats)],
+        steps=[st["steps"] for st in stats],
+        accepted_per_depth=[st["per_depth"] for st in stats],
+        target_forwards=forwards,
+        seconds=seconds,
+    )

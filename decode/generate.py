@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 
 from decode.accept import accept_greedy, accept_sampling, accept_typical, sample, target_probs
+from decode.batch import BatchOutput, generate_batch, stop_tokens, truncate_at_stop
 from decode.propose import drafter_limits, float_dtype, make_drafter, propose
 from decode.timing import synchronize
 from decode.tree import resolve_tree
@@ -74,16 +75,6 @@ def _check_placement(heads: nn.Module, model: nn.Module) -> None:
         )
 
 
-def _eos_set(model: nn.Module, eos_token_id) -> set[int]:
-    if eos_token_id is None:
-        eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if eos_token_id is None:
-        return set()
-    return {
-        int(e) for e in (eos_token_id if isinstance(eos_token_id, (list, tuple, set)) else [eos_token_id])
-    }
-
-
 @torch.no_grad()
 def generate(
     model: nn.Module,
@@ -98,12 +89,15 @@ def generate(
     seed: int | None = None,
     eos_token_id: int | list[int] | None = None,
     acceptance: str = "lossless",
-) -> GenerateOutput:
+    attention_mask: Tensor | None = None,
+) -> GenerateOutput | BatchOutput:
     """Decode from a frozen target, drafting with `heads` (Medusa or EAGLE); output equals the target's own.
 
     Args:
         model: HF causal LM (the target).
-        input_ids: (1, T) or (T,) prompt ids, T >= 1. Batch size 1 only for now.
+        input_ids: (1, T) or (T,) prompt ids, T >= 1; or (B, T) left-padded prompts with their
+            `attention_mask`: then `decode.batch.generate_batch` decodes them together and returns a
+            BatchOutput (per-row replies and statistics).
         heads: MedusaHeads, EagleHead or a `decode.propose.Drafter`; None is plain decoding (the baseline and
             the test oracle).
         max_new_tokens: number of tokens to generate at most (>= 1).
@@ -118,6 +112,7 @@ def generate(
         seed: seeds the sampling and draft draws.
         eos_token_id: stop token(s); None = the model's generation_config.
         acceptance: "lossless" (default) or "typical" (Medusa typical acceptance; LOSSY, sampling only).
+        attention_mask: (B, T), 1 on prompt tokens (left padding); given, or B > 1, decodes as a batch.
     Returns:
         GenerateOutput with sequences and stats (tau counts the bonus token).
     Raises:
@@ -132,8 +127,6 @@ def generate(
         input_ids = input_ids[None]
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise ValueError(f"input_ids must be a non-empty (1, T) prompt, got shape {tuple(input_ids.shape)}")
-    if input_ids.shape[0] != 1:
-        raise NotImplementedError(f"batch size {input_ids.shape[0]}: generate supports batch size 1 for now")
     if max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if temperature < 0:
@@ -149,6 +142,22 @@ def generate(
     if isinstance(heads, (MedusaHeads, EagleHead)):  # before any work with them (a Drafter is taken as it is)
         check_head_matches_target(heads.config, model, where=type(heads).__name__)
         _check_placement(heads, model)
+    if input_ids.shape[0] != 1 or attention_mask is not None:
+        if acceptance != "lossless":
+            raise NotImplementedError("typical acceptance decodes one sequence at a time")
+        return generate_batch(
+            model,
+            input_ids,
+            attention_mask,
+            heads,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            tree=tree,
+            seed=seed,
+            eos_token_id=eos_token_id,
+        )
     drafter = make_drafter(heads, model) if heads is not None else None
     device = model.device
     tree_spec = None
@@ -156,7 +165,7 @@ def generate(
         max_depth, dynamic = drafter_limits(heads)
         tree_spec = resolve_tree(tree, max_depth=max_depth, dynamic=dynamic, device=device)
     generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
-    eos = _eos_set(model, eos_token_id)
+    eos = stop_tokens(model, eos_token_id)
     vocab_size = model.get_output_embeddings().weight.shape[0]
 
     synchronize(device)
@@ -216,7 +225,7 @@ def generate(
                 break  # the drafter needs no more input (nor the tokens after an EOS)
             if drafter is not None:
                 drafter.advance(features.index_select(0, kept), torch.cat([draft.tokens[kept[1:]], root]))
-    generated = _truncate(generated, eos, max_new_tokens)
+    generated = truncate_at_stop(generated, eos, max_new_tokens)
     synchronize(device)
     seconds = time.perf_counter() - start
     emitted_by_steps = len(generated) - 1
@@ -246,12 +255,3 @@ def _count_offered(parents: list[int], ranks: list[int], path: list[int], offere
                 offered.append([])
             offered[depth] += [0] * (rank + 1 - len(offered[depth]))
             offered[depth][rank] += 1
-
-
-def _truncate(tokens: list[int], eos: set[int], max_new_tokens: int) -> list[int]:
-    """Cut at the first EOS (kept) and at max_new_tokens."""
-    for i, token in enumerate(tokens):
-        if token in eos:
-            tokens = tokens[: i + 1]
-            break
-    return tokens[:max_new_tokens]

@@ -8,8 +8,8 @@ import torch
 from transformers import DynamicCache
 
 from decode import generate
-from decode.batch import commit, generate_plain_batch, prefill, verify_batch
-from decode.tree import DraftTree
+from decode.batch import commit, generate_batch, prefill, verify_batch
+from decode.tree import DraftTree, DynamicTree
 from decode.verify import compact_cache, verify
 
 ARCHS = ["llama", "qwen2", "mistral", "gemma", "gemma2", "gemma3_text"]
@@ -88,14 +88,68 @@ def test_batched_plain_decoding_equals_each_prompt_alone_and_transformers(build_
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(1, 128, (n,), generator=generator) for n in (7, 3, 11, 5)]
     ids, mask = _left_pad(prompts)
-    batched = generate_plain_batch(model, ids, mask, max_new_tokens=12, eos_token_id=[])
+    batched = generate(model, ids, None, attention_mask=mask, max_new_tokens=12, eos_token_id=[])
+    assert batched.new_tokens == [12] * 4 and batched.target_forwards == 12 and batched.tau == [1.0] * 4
     for row, prompt in enumerate(prompts):
         alone = generate(model, prompt, None, max_new_tokens=12, eos_token_id=[])
-        assert batched[row] == alone.sequences[0, len(prompt) :].tolist(), f"row {row}"
+        assert batched.replies[row] == alone.sequences[0, len(prompt) :].tolist(), f"row {row}"
     reference = model.generate(
         ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None
     )
-    assert [list(r) for r in reference[:, ids.shape[1] :].tolist()] == batched
+    assert torch.equal(reference, batched.sequences)
+
+
+def _oracles(model, rank_oracle, prompts, new_tokens, seed=0):
+    """One RankOracle per row, knowing its prompt's plain greedy continuation."""
+    oracles = []
+    for row, prompt in enumerate(prompts):
+        plain = generate(model, prompt, None, max_new_tokens=new_tokens + 8, eos_token_id=[])
+        oracles.append(rank_oracle(plain.sequences[0].tolist(), 128, [0.6, 0.2], seed=seed + row))
+        oracles[-1].max_depth = None
+    return oracles
+
+
+@pytest.mark.parametrize("arch", ARCHS[:4])
+def test_batched_speculation_is_lossless_per_row_at_temperature_0(build_target, rank_oracle, arch):
+    """Each row drafts its own tree (a drafter that knows that row's continuation, ranked imperfectly), one
+    forward verifies all rows, rows accept different path lengths: every row equals its prompt decoded alone,
+    and the drafts were right often enough for the check to mean something."""
+    model = build_target(arch)
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, 128, (n,), generator=generator) for n in (6, 2, 9)]
+    ids, mask = _left_pad(prompts)
+    out = generate(
+        model,
+        ids,
+        _oracles(model, rank_oracle, prompts, 20),
+        attention_mask=mask,
+        max_new_tokens=20,
+        eos_token_id=[],
+        tree=DynamicTree(depth=3, top_k=2, total_tokens=6),
+    )
+    for row, prompt in enumerate(prompts):
+        alone = generate(model, prompt, None, max_new_tokens=20, eos_token_id=[])
+        assert out.replies[row] == alone.sequences[0, len(prompt) :].tolist(), f"{arch} row {row}"
+    assert all(t > 1.2 for t in out.tau) and out.target_forwards < 20
+    assert len({tuple(d) for d in out.accepted_per_depth}) > 1  # the rows accepted differently
+
+
+def test_batched_speculation_with_a_real_head_equals_plain_and_batch_one(build_target):
+    """An EAGLE-3 head shared by the rows (one drafter each): B = 3 equals each prompt alone with the head
+    (same tau per row: the same trees are drafted) and without it."""
+    from heads import EagleConfig, EagleHead
+
+    model = build_target("llama")
+    torch.manual_seed(0)
+    head = EagleHead(EagleConfig.from_target(model.config, "eagle3")).eval()
+    generator = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(1, 128, (n,), generator=generator) for n in (5, 8, 3)]
+    ids, mask = _left_pad(prompts)
+    out = generate(model, ids, head, attention_mask=mask, max_new_tokens=10, eos_token_id=[])
+    for row, prompt in enumerate(prompts):
+        alone = generate(model, prompt, head, max_new_tokens=10, eos_token_id=[])
+        assert out.replies[row] == alone.sequences[0, len(prompt) :].tolist()
+        assert out.tau[row] == pytest.approx(alone.tau) and out.steps[row] == alone.steps
 
 
 def test_rows_that_stop_leave_the_batch(build_target):
@@ -103,13 +157,13 @@ def test_rows_that_stop_leave_the_batch(build_target):
     generator = torch.Generator().manual_seed(2)
     prompts = [torch.randint(1, 128, (n,), generator=generator) for n in (4, 6, 8)]
     ids, mask = _left_pad(prompts)
-    free = generate_plain_batch(model, ids, mask, max_new_tokens=10, eos_token_id=[])
+    free = generate(model, ids, None, attention_mask=mask, max_new_tokens=10, eos_token_id=[]).replies
     stop = free[1][3]  # row 1's fourth token ends its reply (and any other row's that meets it)
-    stopped = generate_plain_batch(model, ids, mask, max_new_tokens=10, eos_token_id=stop)
+    stopped = generate(model, ids, None, attention_mask=mask, max_new_tokens=10, eos_token_id=stop)
     for row in range(3):
         expected = free[row][: free[row].index(stop) + 1] if stop in free[row] else free[row]
-        assert stopped[row] == expected
-    assert len(stopped[1]) <= 4
+        assert stopped.replies[row] == expected
+    assert stopped.new_tokens[1] <= 4 and stopped.steps[1] == stopped.new_tokens[1] - 1
 
 
 def test_bad_batches_are_refused(build_target):
@@ -120,4 +174,10 @@ def test_bad_batches_are_refused(build_target):
     with pytest.raises(ValueError, match="one \\(B, T\\) shape"):
         prefill(model, ids, mask[:, 1:])
     with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
-        generate_plain_batch(model, ids, mask, max_new_tokens=0)
+        generate_batch(model, ids, mask, max_new_tokens=0)
+    with pytest.raises(ValueError, match="2 drafters for a batch of 3"):
+        generate_batch(model, torch.ones(3, 2, dtype=torch.long), None, [None, None], max_new_tokens=2)
+    with pytest.raises(NotImplementedError, match="typical acceptance"):
+        generate(
+            model, ids, None, attention_mask=mask, max_new_tokens=2, temperature=1.0, acceptance="typical"
+        )

@@ -64,7 +64,45 @@ def emitted_with_exact_probs(model, heads, tree, seed_base, sampling, **kwargs):
     )
 
 
-def fit_pvalue(model, heads, tree, seed_base, sampling=None, min_tau=None, **kwargs) -> float:
+BATCH_PROMPTS = [[1, 4, 2], [3, 1], [5, 6, 7, 0], [2]]  # different lengths: left padding in the batch
+
+
+def emitted_batched(model, heads, tree, seed_base, sampling):
+    """As `emitted_with_exact_probs`, with the prompts decoded 4 at a time (`generate` on a (4, T) batch):
+    each row's tokens against the exact p_t of that row's own prefix. RUNS sequences in all."""
+    width = max(len(p) for p in BATCH_PROMPTS)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in BATCH_PROMPTS])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in BATCH_PROMPTS])
+    tokens, previous, probs, taus = [], [], [], []
+    for run in range(RUNS // len(BATCH_PROMPTS)):
+        out = generate(
+            model,
+            ids,
+            heads,
+            attention_mask=mask,
+            max_new_tokens=NEW,
+            tree=tree,
+            seed=seed_base + run,
+            **sampling,
+        )
+        for row, prompt in enumerate(BATCH_PROMPTS):
+            seq = torch.tensor(prompt + out.replies[row])
+            with torch.no_grad():
+                probs.append(
+                    target_probs(model(seq[None]).logits[0, len(prompt) - 1 : -1], **sampling).double()
+                )
+            tokens.append(seq[len(prompt) :])
+            previous.append(seq[len(prompt) - 1 : -1])
+        taus += out.tau
+    return (
+        torch.cat(tokens).numpy(),
+        torch.cat(previous).numpy(),
+        torch.cat(probs).numpy(),
+        float(np.mean(taus)),
+    )
+
+
+def fit_pvalue(model, heads, tree, seed_base, sampling=None, min_tau=None, batched=False, **kwargs) -> float:
     """Chi-square of (previous token, token) counts against the sums of the exact p_t in each group.
 
     Under losslessness x_t ~ p_t given the prefix, so observed - expected is a martingale in every cell;
@@ -73,7 +111,12 @@ def fit_pvalue(model, heads, tree, seed_base, sampling=None, min_tau=None, **kwa
     shifts mass the same way in every group and the negative controls are detected.
     """
     sampling = sampling or {"temperature": 1.0}
-    tokens, previous, probs, tau = emitted_with_exact_probs(model, heads, tree, seed_base, sampling, **kwargs)
+    if batched:
+        tokens, previous, probs, tau = emitted_batched(model, heads, tree, seed_base, sampling)
+    else:
+        tokens, previous, probs, tau = emitted_with_exact_probs(
+            model, heads, tree, seed_base, sampling, **kwargs
+        )
     if min_tau is not None:  # a test where drafts are never accepted would check nothing
         assert tau >= min_tau, f"drafts were rarely accepted (tau {tau:.2f}); the test would be vacuous"
     observed, expected = np.zeros((VOCAB, VOCAB)), np.zeros((VOCAB, VOCAB))
@@ -161,3 +204,23 @@ def test_negative_control_typical_acceptance_is_detected(target):
         target, make_heads(target, "medusa"), CASES[0][1], seed_base=1000, acceptance="typical"
     )
     assert pvalue < 1e-3, "typical acceptance should be detected as lossy"
+
+
+@pytest.mark.parametrize("kind,tree,sampling", CASES[1:3], ids=["eagle1-dynamic", "eagle3"])
+def test_batched_speculative_sampling_matches_target_distribution_per_row(target, kind, tree, sampling):
+    """Four prompts of different lengths decoded together: every row's tokens follow its own target
+    distribution."""
+    pvalue = fit_pvalue(
+        target, make_heads(target, kind), tree, seed_base=3000, sampling=sampling, min_tau=1.2, batched=True
+    )
+    assert pvalue > 1e-3, f"{kind}: batched sampling deviates from the target (chi-square p={pvalue:.2e})"
+
+
+def test_negative_control_batched_rule_is_detected(target, monkeypatch):
+    monkeypatch.setattr(
+        importlib.import_module("decode.batch"), "accept_sampling", _accept_with_unit_draft_probability
+    )
+    pvalue = fit_pvalue(
+        target, make_heads(target, "medusa", std=0.1), CASES[0][1], seed_base=3000, batched=True
+    )
+    assert pvalue < 1e-3, "the test failed to detect a biased acceptance rule in batched decoding"
