@@ -87,3 +87,21 @@ def test_deep_acceptance_on_default_target_is_lossless(target, prompts, plain_ou
         ranks_taken |= {(d, r) for d, row in enumerate(out.accepted_ranks) for r, n in enumerate(row) if n}
     assert min(taus) > 1.8, taus  # deep paths were accepted
     assert any(r > 0 for _, r in ranks_taken) and max(d for d, _ in ranks_taken) >= 3, ranks_taken
+
+
+@pytest.mark.parametrize(("kind", "batch"), [(None, 1), (None, 5), ("medusa", 3), ("medusa", 5)])
+def test_batches_of_mixed_lengths_decode_as_each_prompt_alone(target, prompts, plain_outputs, kind, batch):
+    """Left-padded batches of the prompts (their lengths differ): every row's greedy reply, with the Medusa
+    heads drafting or plain, equals the prompt decoded alone (EOS rows stop early and leave the batch)."""
+    model, tokenizer = target
+    rows = prompts[:batch]
+    width = max(ids.shape[1] for ids in rows)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    ids = torch.full((batch, width), pad, dtype=torch.long)
+    mask = torch.zeros(batch, width, dtype=torch.long)
+    for row, prompt in enumerate(rows):
+        ids[row, width - prompt.shape[1] :], mask[row, width - prompt.shape[1] :] = prompt[0], 1
+    heads, tree = _heads(model, kind) if kind else (None, None)
+    out = generate(model, ids, heads, attention_mask=mask, max_new_tokens=64, tree=tree)
+    for row, prompt in enumerate(rows):
+        assert out.replies[row] == plain_outputs[row].sequences[0, prompt.shape[1] :].tolist(), f"row {row}"
