@@ -147,9 +147,16 @@ def commit(state: BatchState, keep: list[list[int]], tree_size: int) -> None:
     before = state.columns  # the columns before this step's tree (`valid` does not cover the tree yet)
     if len(keep) != state.valid.shape[0]:
         raise ValueError(f"keep has {len(keep)} rows, the batch {state.valid.shape[0]}")
-    cached = state.cache.layers[0].keys.shape[-2]
-    if cached != before + tree_size:
-        raise ValueError(f"the cache holds {cached} columns, expected {before} + a tree of {tree_size}")
+    lengths = {layer.keys.shape[-2] for layer in state.cache.layers}
+    if len(lengths) > 1:
+        raise NotImplementedError(
+            "cache layers differ in length (a sliding window is full); sequences longer than the sliding "
+            "window are not supported yet"
+        )
+    if lengths != {before + tree_size}:
+        raise ValueError(
+            f"the cache holds {lengths.pop()} columns, expected {before} + a tree of {tree_size}"
+        )
     grown = torch.zeros(state.valid.shape[0], tree_size, dtype=torch.bool, device=state.valid.device)
     valid = torch.cat([state.valid[:, :before], grown], dim=1)
     for row, nodes in enumerate(keep):

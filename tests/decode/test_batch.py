@@ -175,6 +175,11 @@ def test_bad_batches_are_refused(build_target):
         prefill(model, ids, mask[:, 1:])
     with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
         generate_batch(model, ids, mask, max_new_tokens=0)
+    state, _, _ = prefill(model, ids, mask)
+    with pytest.raises(ValueError, match="the cache holds 3 columns, expected 3 \\+ a tree of 1"):
+        commit(state, [[0], [0]], 1)  # no verify_batch ran: there is no tree to commit
+    with pytest.raises(ValueError, match="keep has 1 rows, the batch 2"):
+        commit(state, [[0]], 0)
     with pytest.raises(ValueError, match="2 drafters for a batch of 3"):
         generate_batch(model, torch.ones(3, 2, dtype=torch.long), None, [None, None], max_new_tokens=2)
     with pytest.raises(NotImplementedError, match="typical acceptance"):
