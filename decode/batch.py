@@ -240,7 +240,10 @@ def generate_batch(
         attention_mask: (B, T), 1 on tokens; None = no padding.
         heads: a head module (one drafter per row is made from it), a list of B drafters, or None (plain
             decoding through the same loop).
-        max_new_tokens, temperature, top_p, top_k, tree, seed, eos_token_id: as `decode.generate`.
+        max_new_tokens, temperature, top_p, top_k, seed, eos_token_id: as `decode.generate`.
+        tree: as `decode.generate`, or a policy: a callable from the rows still decoding to a tree or None
+            (plain decoding for that step), asked every step (`decode.sizing.policy_tree` over
+            `batch_policy`'s choices), so the tree follows the batch as sequences finish.
         pad_token_id: what pads the replies in `sequences`.
     Returns:
         BatchOutput.
@@ -259,10 +262,21 @@ def generate_batch(
         drafters = list(heads)
     else:
         drafters = [None if heads is None else make_drafter(heads, model) for _ in range(batch)]
-    spec = None
-    if drafters[0] is not None:
-        max_depth, dynamic = drafter_limits(heads[0] if isinstance(heads, (list, tuple)) else heads)
-        spec = resolve_tree(tree, max_depth=max_depth, dynamic=dynamic, device=model.device)
+    resolved: dict = {}  # tree spec -> its resolved form (a policy hands out a few specs, again and again)
+
+    def spec_for(rows_alive: int):
+        """The tree of this step: `tree` itself, or what the policy `tree(rows)` picks (None: plain)."""
+        if drafters[0] is None:
+            return None
+        wanted = tree(rows_alive) if callable(tree) else tree
+        if callable(tree) and wanted is None:
+            return None
+        key = repr(wanted)
+        if key not in resolved:
+            max_depth, dynamic = drafter_limits(heads[0] if isinstance(heads, (list, tuple)) else heads)
+            resolved[key] = resolve_tree(wanted, max_depth=max_depth, dynamic=dynamic, device=model.device)
+        return resolved[key]
+
     generator = torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None
     eos = stop_tokens(model, eos_token_id)
     vocab_size = model.get_output_embeddings().weight.shape[0]
@@ -292,9 +306,10 @@ def generate_batch(
         if len(rows) < batch:
             state.select(torch.tensor(rows, dtype=torch.long, device=state.valid.device))
         while rows:
+            spec = spec_for(len(rows))  # None: a plain step (the drafters still take in what is accepted)
             trees = [
                 propose(
-                    drafters[r],
+                    drafters[r] if spec is not None else None,
                     roots[r],
                     spec,
                     temperature=temperature,

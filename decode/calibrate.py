@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
+from decode.batch import commit, prefill, verify_batch
 from decode.generate import generate
 from decode.layout import can_pack, is_pretransposed, pack_linears, packed_rows
 from decode.prepare import head_rows
@@ -79,6 +80,37 @@ def measure_verify_cost(
     if pack:
         pack_linears(model, before)
     return monotone_costs({n: statistics.median(t) for n, t in times.items()})
+
+
+@torch.no_grad()
+def measure_batch_verify_cost(
+    model: nn.Module, context: torch.Tensor, batches: Sequence[int], sizes: Sequence[int], repeats: int = 3
+) -> dict[int, dict[int, float]]:
+    """Seconds of one batched verify forward (`decode.batch.verify_batch`) over B rows of n chain tokens each,
+    above B copies of a cached `context` (1, T): {B: {n: seconds}}, what `decode.sizing.batch_policy` needs.
+
+    Rounds interleave the sizes as `measure_verify_cost` does; each B is measured on its own batch (prefilled
+    once, the verified tokens dropped after each timing), each size's costs made non-decreasing in n."""
+    costs = {}
+    for batch in batches:
+        ids = context.expand(batch, -1).to(model.device)
+        state, _, _ = prefill(model, ids, torch.ones_like(ids))
+        times: dict[int, list[float]] = {n: [] for n in sizes}
+        for _ in range(max(repeats, 1)):
+            for n in sizes:
+                tokens = torch.randint(0, model.config.vocab_size, (batch, n), device=model.device)
+                depths = torch.arange(n, device=model.device).expand(batch, n)
+                ancestors = torch.ones(n, n, dtype=torch.bool, device=model.device).tril().expand(batch, n, n)
+
+                def run(
+                    n=n, tokens=tokens, depths=depths, ancestors=ancestors, state=state, rows=batch
+                ) -> None:
+                    verify_batch(model, state, tokens, depths, ancestors)
+                    commit(state, [[] for _ in range(rows)], n)  # keep nothing: the cache is as before
+
+                times[n].append(_median_seconds(run, 1, model.device))
+        costs[batch] = monotone_costs({n: statistics.median(t) for n, t in times.items()})
+    return costs
 
 
 @torch.no_grad()

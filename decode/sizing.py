@@ -183,3 +183,81 @@ def monotone_costs(costs: dict[int, float]) -> dict[int, float]:
         best = min(best, costs[n])
         out[n] = best
     return {n: out[n] for n in costs}
+
+
+@dataclass(frozen=True)
+class BatchChoice:
+    """What to do at one batch size: the best candidate tree, or plain decoding when no tree beats it."""
+
+    batch: int
+    candidate: Candidate | None  # None: plain decoding (speculation loses at this batch size)
+    tokens_per_second: float  # predicted for the whole batch
+    plain_tokens_per_second: float  # predicted for plain decoding of the batch
+
+    @property
+    def tree(self) -> DynamicTree | tuple[tuple[int, ...], ...] | None:
+        return None if self.candidate is None else self.candidate.tree
+
+    @property
+    def speedup(self) -> float:
+        return self.tokens_per_second / self.plain_tokens_per_second
+
+
+def batch_policy(
+    acceptance: Sequence[Sequence[float]],
+    verify_cost: dict[int, dict[int, float]],
+    propose_cost: Callable[[int, int, int], float],
+    *,
+    dynamic: bool,
+    budgets: Sequence[int],
+    depths: Sequence[int],
+    top_ks: Sequence[int],
+) -> dict[int, BatchChoice]:
+    """Per measured batch size B, the tree that maximises the batch's expected tokens per second, or plain
+    decoding where none beats it.
+
+    With B rows each drafting its own tree one after another and one target forward over all B trees:
+    tokens/s = B x E[tokens per step] / (C_T(B, n + 1) + B x C_P(tree)), against B / C_T(B, 1) for plain
+    decoding. As B grows the target pass turns from memory-bound to compute-bound, C_T(B, n + 1) grows with
+    B x n and the best tree shrinks, down to none.
+
+    Args:
+        acceptance: a[d-1][r] from `rank_acceptance`.
+        verify_cost: {B: {n: seconds of one target forward over B rows of n tree tokens each}}, measured
+            (`decode.calibrate.measure_batch_verify_cost`); every B needs n = 1 (plain decoding).
+        propose_cost: (draft_nodes, depth, top_k) -> seconds for one row to draft that tree.
+        dynamic, budgets, depths, top_ks: as `size_tree`.
+    """
+    choices = {}
+    for batch, costs in sorted(verify_cost.items()):
+        if 1 not in costs:
+            raise ValueError(
+                f"batch {batch}: no plain-decoding cost (n = 1) among the measured sizes {costs}"
+            )
+        candidates = size_tree(
+            acceptance,
+            costs,
+            lambda n, d, k, b=batch: b * propose_cost(n, d, k),
+            dynamic=dynamic,
+            budgets=budgets,
+            depths=depths,
+            top_ks=top_ks,
+        )
+        plain = batch / costs[1]
+        best = candidates[0] if candidates else None
+        speed = batch * best.tokens_per_second if best is not None else 0.0
+        if best is None or speed <= plain:
+            choices[batch] = BatchChoice(batch, None, plain, plain)
+        else:
+            choices[batch] = BatchChoice(batch, best, speed, plain)
+    return choices
+
+
+def policy_tree(choices: dict[int, BatchChoice], batch: int):
+    """The tree `batch_policy` chose for `batch` rows (None: plain): the nearest measured batch size at or
+    below it (the smallest measured one below all of them)."""
+    if not choices:
+        raise ValueError("no batch sizes were measured")
+    sizes = sorted(choices)
+    below = [b for b in sizes if b <= batch]
+    return choices[below[-1] if below else sizes[0]].tree

@@ -186,3 +186,37 @@ def test_bad_batches_are_refused(build_target):
         generate(
             model, ids, None, attention_mask=mask, max_new_tokens=2, temperature=1.0, acceptance="typical"
         )
+
+
+def test_a_per_step_policy_switches_trees_and_plain_steps_and_stays_lossless(build_target, rank_oracle):
+    """A policy drafting while more than two rows decode and decoding plainly after: the rows still equal
+    each prompt alone, the drafters (which check every token they are fed) stay in step through plain steps,
+    and the policy was asked with the shrinking batch."""
+    model = build_target("llama")
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, 128, (n,), generator=generator) for n in (4, 7, 2, 5)]
+    ids, mask = _left_pad(prompts)
+    oracles = _oracles(model, rank_oracle, prompts, 16)
+    stop = [15]  # ends rows 2, 0 and 1 after 2, 7 and 9 tokens (this seed); row 3 decodes all 16
+    asked = []
+
+    def policy(rows):
+        asked.append(rows)
+        return DynamicTree(depth=3, top_k=2, total_tokens=6) if rows > 2 else None
+
+    out = generate(
+        model, ids, oracles, attention_mask=mask, max_new_tokens=16, eos_token_id=stop, tree=policy
+    )
+    for row, prompt in enumerate(prompts):
+        alone = generate(model, prompt, None, max_new_tokens=16, eos_token_id=stop)
+        assert out.replies[row] == alone.sequences[0, len(prompt) :].tolist(), f"row {row}"
+    assert asked == sorted(asked, reverse=True) and asked[-1] <= 2 < asked[0]  # drafted, then plain steps
+
+
+def test_batch_verify_costs_are_measured_per_batch_size_and_leave_no_trace(build_target):
+    from decode.calibrate import measure_batch_verify_cost
+
+    model = build_target("llama")
+    costs = measure_batch_verify_cost(model, torch.randint(0, 128, (1, 6)), [1, 3], [1, 4], repeats=1)
+    assert sorted(costs) == [1, 3] and all(sorted(c) == [1, 4] for c in costs.values())
+    assert all(c[1] <= c[4] and c[1] > 0 for c in costs.values())  # made non-decreasing in n

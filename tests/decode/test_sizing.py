@@ -141,3 +141,31 @@ def test_monotone_costs_pad_to_a_cheaper_larger_size():
         12: 0.08,
         16: 0.08,
     }
+
+
+def test_batch_policy_speculates_while_verifying_is_cheap_and_stops_where_it_loses():
+    """Verify cost flat in n at B = 1 (memory-bound) and linear in B x n at B = 16 (compute-bound): a tree at
+    B = 1, plain decoding at B = 16; the policy maps every batch size to the nearest measured one below."""
+    from decode.sizing import batch_policy, policy_tree
+
+    acceptance = [[0.8, 0.1], [0.7, 0.1], [0.6]]
+    flat = {n: 0.010 for n in (1, 2, 4, 8, 16)}
+    linear = {n: 0.010 * 16 * n / 16 for n in (1, 2, 4, 8, 16)}  # B x n tokens at B = 16: cost grows with n
+    choices = batch_policy(
+        acceptance,
+        {1: flat, 16: linear},
+        lambda n, d, k: 0.0005 * d,
+        dynamic=True,
+        budgets=[2, 4, 8],
+        depths=[1, 2, 3],
+        top_ks=[1, 2],
+    )
+    assert choices[1].tree is not None and choices[1].speedup > 1.5
+    assert choices[16].tree is None and choices[16].speedup == 1.0
+    assert choices[16].plain_tokens_per_second == pytest.approx(16 / 0.010)
+    assert policy_tree(choices, 4) == choices[1].tree and policy_tree(choices, 40) is None
+    assert policy_tree(choices, 16) is None
+    with pytest.raises(ValueError, match="no plain-decoding cost"):
+        batch_policy(
+            acceptance, {2: {4: 0.01}}, lambda n, d, k: 0.0, dynamic=True, budgets=[2], depths=[1], top_ks=[1]
+        )
