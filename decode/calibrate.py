@@ -19,7 +19,16 @@ from decode.generate import generate
 from decode.layout import can_pack, is_pretransposed, pack_linears, packed_rows
 from decode.prepare import head_rows
 from decode.propose import make_drafter, propose
-from decode.sizing import Candidate, best_tree, interpolate, monotone_costs, rank_acceptance, size_tree
+from decode.sizing import (
+    BatchChoice,
+    Candidate,
+    batch_policy,
+    best_tree,
+    interpolate,
+    monotone_costs,
+    rank_acceptance,
+    size_tree,
+)
 from decode.timing import synchronize
 from decode.tree import DraftTree, DynamicTree, TreeBuffers, build_tree
 from decode.verify import verify
@@ -231,6 +240,17 @@ def calibrate(
     """
     if 1 not in verify_sizes:
         raise ValueError(f"verify_sizes must include 1 (plain decoding's cost), got {list(verify_sizes)}")
+    acceptance, propose_cost, measure_propose, grid = _draft_model(
+        model, heads, prompts, max_new_tokens, max(verify_sizes), max_depth, max_top_k, repeats
+    )
+    verify_cost = measure_verify_cost(model, prompts[0], verify_sizes, repeats)
+    candidates = size_tree(acceptance, verify_cost, propose_cost, **grid)
+    return Calibration(acceptance, verify_cost, candidates, measure_propose)
+
+
+def _draft_model(model, heads, prompts, max_new_tokens, max_size, max_depth, max_top_k, repeats):
+    """Steps 1 and 3 of `calibrate`: acceptance per (depth, rank) from probe decoding, the drafting cost per
+    tree shape, and the search grid (budgets below `max_size`)."""
     eagle = isinstance(heads, EagleHead)
     if eagle:
         probe: TreeBuffers | DynamicTree = DynamicTree(depth=max_depth, top_k=max_top_k, total_tokens=48)
@@ -239,7 +259,6 @@ def calibrate(
     runs = [generate(model, ids, heads, max_new_tokens=max_new_tokens, tree=probe) for ids in prompts]
     acceptance = rank_acceptance(runs)
     context = prompts[0]
-    verify_cost = measure_verify_cost(model, context, verify_sizes, repeats)
 
     def measure_propose(tree) -> float:
         spec = tree if isinstance(tree, DynamicTree) else build_tree(tree)
@@ -247,7 +266,7 @@ def calibrate(
 
     depths = range(1, min(max_depth, len(acceptance)) + 1)
     top_ks = range(1, max_top_k + 1)
-    budgets = range(1, max(verify_sizes))
+    budgets = range(1, max_size)
     if eagle:  # one measurement per (depth, top_k) shape, at the largest budget
         by_shape = {(d, k): measure_propose(DynamicTree(d, k, budgets[-1])) for d in depths for k in top_ks}
 
@@ -259,7 +278,30 @@ def calibrate(
         def propose_cost(n: int, d: int, k: int) -> float:
             return medusa_seconds
 
-    candidates = size_tree(
-        acceptance, verify_cost, propose_cost, dynamic=eagle, budgets=budgets, depths=depths, top_ks=top_ks
+    grid = {"dynamic": eagle, "budgets": budgets, "depths": depths, "top_ks": top_ks}
+    return acceptance, propose_cost, measure_propose, grid
+
+
+@torch.no_grad()
+def calibrate_batches(
+    model: nn.Module,
+    heads: nn.Module,
+    prompts: Sequence[torch.Tensor],
+    batch_sizes: Sequence[int],
+    *,
+    max_new_tokens: int = 64,
+    verify_sizes: Sequence[int] = (1, 2, 4, 8, 12, 16, 24),
+    max_depth: int = 6,
+    max_top_k: int = 4,
+    repeats: int = 3,
+) -> dict[int, BatchChoice]:
+    """`calibrate` with the batch dimension: acceptance and drafting costs as there, C_T(B, n) measured per
+    batch size (`measure_batch_verify_cost`), then per batch size the best tree or plain decoding
+    (`decode.sizing.batch_policy`; `decode.sizing.policy_tree` turns the result into a per-step policy)."""
+    if 1 not in verify_sizes:
+        raise ValueError(f"verify_sizes must include 1 (plain decoding's cost), got {list(verify_sizes)}")
+    acceptance, propose_cost, _, grid = _draft_model(
+        model, heads, prompts, max_new_tokens, max(verify_sizes), max_depth, max_top_k, repeats
     )
-    return Calibration(acceptance, verify_cost, candidates, measure_propose)
+    costs = measure_batch_verify_cost(model, prompts[0], batch_sizes, verify_sizes, repeats)
+    return batch_policy(acceptance, costs, propose_cost, **grid)

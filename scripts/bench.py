@@ -29,8 +29,12 @@ from pathlib import Path
 
 import torch
 
+from decode.batch_benchmark import batch_benchmark, plot_batch, render_batch
 from decode.bench_report import plots, render
-from decode.benchmark import benchmark, load_prompts
+from decode.benchmark import benchmark, load_prompts, prompt_ids
+from decode.calibrate import calibrate_batches
+from decode.tree import DynamicTree
+from heads import load_heads
 from heads.files import write_json, write_text
 from heads.target import DEFAULT_TARGET, load_target
 
@@ -82,8 +86,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         const=None,
         help="the default (older commands)",
     )
+    batches = (
+        "instead of the per-prompt benchmark: batched decoding of the first B chat prompts at each batch "
+        "size B, plain vs a fixed tree vs the batch-size policy (calibrated here), with the EAGLE-3 head "
+        "(else Medusa-1)"
+    )
+    add("--batch-sizes", type=int, nargs="+", default=None, metavar="B", help=batches)
     add("--out", type=Path, default=Path("results/bench"))
     args = parser.parse_args(argv)
+    if args.batch_sizes and not (args.eagle3 or args.medusa1):
+        parser.error("--batch-sizes needs --eagle3 or --medusa1 (the head every row drafts with)")
     if args.medusa1_tree and not (args.size_tree and args.medusa1):
         parser.error(
             "--medusa1-tree needs --size-tree and --medusa1 (it builds trees from the measured acceptance)"
@@ -98,6 +110,8 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
     model, tokenizer = load_target(args.model)
+    if args.batch_sizes:
+        return batched(args, model, tokenizer, argv)
     prompts, calibration = load_prompts(DATA, args.prompts, args.calibration_prompts if args.size_tree else 0)
     paths = {name: getattr(args, name) for name in ("medusa1", "eagle1", "eagle3", "medusa2")}
     results = {
@@ -126,6 +140,47 @@ def main(argv: list[str] | None = None) -> dict:
     results["plots"] = plots(results, args.out)
     print(report)
     print(f"wrote {args.out}/bench.md, bench.json" + "".join(f", {p}" for p in results["plots"]))
+    return results
+
+
+def batched(args: argparse.Namespace, model, tokenizer, argv: list[str] | None) -> dict:
+    """--batch-sizes: calibrate the batch-size policy on the calibration prompts, then time plain, fixed-tree
+    and policy decoding of the first B chat prompts at each B (decode.batch_benchmark)."""
+    head = load_heads(args.eagle3 or args.medusa1, target=model)
+    prompts, calibration = load_prompts(DATA, max(args.batch_sizes), max(args.calibration_prompts, 1))
+    ids = [prompt_ids(tokenizer, row) for row in prompts["chat"]]
+    choices = calibrate_batches(
+        model,
+        head,
+        [prompt_ids(tokenizer, row) for row in calibration],
+        args.batch_sizes,
+        max_new_tokens=args.max_new_tokens,
+        repeats=args.repeats,
+    )
+    tree = DynamicTree(*args.eagle3_tree[0]) if args.eagle3 and args.eagle3_tree else None
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    records = batch_benchmark(
+        model,
+        head,
+        ids,
+        args.batch_sizes,
+        choices,
+        tree=tree,
+        max_new_tokens=args.max_new_tokens,
+        repeats=args.repeats,
+        pad_token_id=pad,
+    )
+    results = {
+        "command": "python scripts/bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "head": str(args.eagle3 or args.medusa1),
+        "batches": records,
+    }
+    report = render_batch(records, tree)
+    write_text(args.out / "batch.md", report)
+    write_json(args.out / "batch.json", results)
+    results["plot"] = str(plot_batch(records, args.out))
+    print(report)
+    print(f"wrote {args.out}/batch.md, batch.json, {results['plot']}")
     return results
 
 

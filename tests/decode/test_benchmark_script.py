@@ -168,3 +168,33 @@ def test_bench_medusa1_tree_needs_the_sizing(tmp_path, head_dirs, capsys):
             ["--medusa1", str(head_dirs / "medusa1"), "--medusa1-tree", "8", "--out", str(tmp_path)]
         )
     assert "--medusa1-tree needs --size-tree and --medusa1" in capsys.readouterr().err
+
+
+def test_bench_batch_sizes_compares_plain_tree_and_policy_per_batch(
+    tmp_path, tiny_target_dir, head_dirs, capsys
+):
+    """--batch-sizes: the first B chat prompts decoded together at B = 1 and 3, plain vs a fixed tree vs the
+    calibrated policy: a table, JSON and the plot; every greedy reply equals plain decoding's."""
+    bench = runpy.run_path(str(SCRIPT))
+    out = tmp_path / "batch"
+    args = [
+        "--model",
+        str(tiny_target_dir),
+        "--medusa1",
+        str(head_dirs / "medusa1"),
+        "--batch-sizes",
+        "1",
+        "3",
+    ]
+    args += ["--max-new-tokens", "8", "--repeats", "1", "--calibration-prompts", "1", "--threads", "1"]
+    results = bench["main"]([*args, "--out", str(out)])
+    records = results["batches"]
+    assert [r["batch"] for r in records] == [1, 3] and all(r["identical"] for r in records)
+    assert all(r["plain_tok_s"] > 0 and r["tree_tok_s"] > 0 and r["policy_tok_s"] > 0 for r in records)
+    assert all(r["policy"] == "plain" or r["policy"].startswith("static(") for r in records)
+    saved = json.loads((out / "batch.json").read_text())
+    assert saved["batches"] == records and "--batch-sizes 1 3" in saved["command"]
+    assert (out / "speedup_vs_batch.png").stat().st_size > 1000
+    assert "| 3 |" in (out / "batch.md").read_text() and "| 3 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench["main"](["--model", str(tiny_target_dir), "--batch-sizes", "2", "--out", str(out)])
