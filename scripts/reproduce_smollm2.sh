@@ -54,8 +54,8 @@ accelerate launch --num_processes 1 train/eagle.py configs/eagle3_smollm2.yaml "
     train.num_epochs=2 train.learning_rate=2e-4 train.warmup_ratio=0.02 eagle.ttt_steps=5 \
     eagle.init_from=runs/eagle3_smollm2_cont2/head train.output_dir=runs/eagle3_smollm2_ttt5 \
     > runs/eagle3_smollm2_ttt5.log 2>&1
-# Last EAGLE-3 stage: one epoch over 2,560 chats (the 2,048 above plus regen_extra's 512), its own dump.
-MORE=("data.train_files=[data/smollm2/regen/shard-*.jsonl,data/smollm2/regen_extra/shard-*.jsonl]")
+# Last EAGLE-3 stage: one epoch over 2,560 chats (the 2,048 above plus regen_extra's first two shards, 512), its own dump.
+MORE=("data.train_files=[data/smollm2/regen/shard-*.jsonl,data/smollm2/regen_extra/shard-00000.jsonl,data/smollm2/regen_extra/shard-00001.jsonl]")
 python scripts/dump_hidden_states.py configs/eagle3_smollm2.yaml "data.offline_dir=${STATES}_2560" "${MORE[@]}"
 accelerate launch --num_processes 1 train/eagle.py configs/eagle3_smollm2.yaml data.hidden_states=offline \
     "data.offline_dir=${STATES}_2560" "${MORE[@]}" "${COMMON[@]}" train.num_epochs=1 train.learning_rate=2e-4 \
