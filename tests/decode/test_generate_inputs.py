@@ -31,7 +31,11 @@ BAD_CALLS = {
         r"top_p must be in \(0, 1\], got 1.5",
     ),
     "negative top_k": ({"temperature": 1.0, "top_k": -1}, ValueError, "top_k must be >= 0, got -1"),
-    "batch of two": ({"input_ids": PROMPT.repeat(2, 1)}, NotImplementedError, "batch size 2"),
+    "batch with typical acceptance": (
+        {"input_ids": PROMPT.repeat(2, 1), "temperature": 1.0, "acceptance": "typical"},
+        NotImplementedError,
+        "typical acceptance decodes one sequence at a time",
+    ),
     "3-d prompt": ({"input_ids": PROMPT[None]}, ValueError, r"\(1, 1, 7\)"),
     "tree not prefix-closed": (
         {"heads": lambda m: _medusa(), "tree": [(0,), (0, 0, 0)]},
