@@ -57,6 +57,16 @@ class BatchState:
                 layer.keys, layer.values = layer.keys[..., :end, :], layer.values[..., :end, :]
 
 
+def left_padded(rows: list[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T) ids and attention mask of 1-D prompts of any lengths, padded on the left with `pad`."""
+    width = max(r.numel() for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for b, row in enumerate(rows):
+        ids[b, width - row.numel() :], mask[b, width - row.numel() :] = row, 1
+    return ids, mask
+
+
 @torch.no_grad()
 def prefill(
     model: nn.Module, input_ids: Tensor, attention_mask: Tensor, capture: FeatureCapture | None = None

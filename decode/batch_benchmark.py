@@ -14,19 +14,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from decode.batch import generate_batch
+from decode.batch import generate_batch, left_padded
 from decode.sizing import BatchChoice, policy_tree
 from decode.tree import DynamicTree
-
-
-def left_padded(rows: list[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, T) ids and mask of 1-D prompts, padded on the left."""
-    width = max(r.numel() for r in rows)
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
-    for b, row in enumerate(rows):
-        ids[b, width - row.numel() :], mask[b, width - row.numel() :] = row, 1
-    return ids, mask
 
 
 def tree_name(tree) -> str:

@@ -8,20 +8,11 @@ import torch
 from transformers import DynamicCache
 
 from decode import generate
-from decode.batch import commit, generate_batch, prefill, verify_batch
+from decode.batch import commit, generate_batch, left_padded, prefill, verify_batch
 from decode.tree import DraftTree, DynamicTree
 from decode.verify import compact_cache, verify
 
 ARCHS = ["llama", "qwen2", "mistral", "gemma", "gemma2", "gemma3_text"]
-
-
-def _left_pad(prompts: list[torch.Tensor], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    mask = torch.zeros(len(prompts), width, dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt) :], mask[row, width - len(prompt) :] = prompt, 1
-    return ids, mask
 
 
 def _random_tree(generator: torch.Generator, size: int, vocab: int, root: int) -> DraftTree:
@@ -47,7 +38,7 @@ def test_batched_verify_equals_each_tree_alone_over_two_steps(build_target, arch
     model = build_target(arch)
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 128, (n,), generator=generator) for n in (5, 9, 2)]
-    ids, mask = _left_pad(prompts)
+    ids, mask = left_padded(prompts, 0)
     state, last, _ = prefill(model, ids, mask)
     alone = []  # per row: (cache, committed length), the single-sequence path of decode/verify.py
     for row, prompt in enumerate(prompts):
@@ -87,7 +78,7 @@ def test_batched_plain_decoding_equals_each_prompt_alone_and_transformers(build_
     model = build_target(arch)
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(1, 128, (n,), generator=generator) for n in (7, 3, 11, 5)]
-    ids, mask = _left_pad(prompts)
+    ids, mask = left_padded(prompts, 0)
     batched = generate(model, ids, None, attention_mask=mask, max_new_tokens=12, eos_token_id=[])
     assert batched.new_tokens == [12] * 4 and batched.target_forwards == 12 and batched.tau == [1.0] * 4
     for row, prompt in enumerate(prompts):
@@ -117,7 +108,7 @@ def test_batched_speculation_is_lossless_per_row_at_temperature_0(build_target, 
     model = build_target(arch)
     generator = torch.Generator().manual_seed(3)
     prompts = [torch.randint(1, 128, (n,), generator=generator) for n in (6, 2, 9)]
-    ids, mask = _left_pad(prompts)
+    ids, mask = left_padded(prompts, 0)
     out = generate(
         model,
         ids,
@@ -144,7 +135,7 @@ def test_batched_speculation_with_a_real_head_equals_plain_and_batch_one(build_t
     head = EagleHead(EagleConfig.from_target(model.config, "eagle3")).eval()
     generator = torch.Generator().manual_seed(4)
     prompts = [torch.randint(1, 128, (n,), generator=generator) for n in (5, 8, 3)]
-    ids, mask = _left_pad(prompts)
+    ids, mask = left_padded(prompts, 0)
     out = generate(model, ids, head, attention_mask=mask, max_new_tokens=10, eos_token_id=[])
     for row, prompt in enumerate(prompts):
         alone = generate(model, prompt, head, max_new_tokens=10, eos_token_id=[])
@@ -156,7 +147,7 @@ def test_rows_that_stop_leave_the_batch(build_target):
     model = build_target("llama")
     generator = torch.Generator().manual_seed(2)
     prompts = [torch.randint(1, 128, (n,), generator=generator) for n in (4, 6, 8)]
-    ids, mask = _left_pad(prompts)
+    ids, mask = left_padded(prompts, 0)
     free = generate(model, ids, None, attention_mask=mask, max_new_tokens=10, eos_token_id=[]).replies
     stop = free[1][3]  # row 1's fourth token ends its reply (and any other row's that meets it)
     stopped = generate(model, ids, None, attention_mask=mask, max_new_tokens=10, eos_token_id=stop)
@@ -168,7 +159,7 @@ def test_rows_that_stop_leave_the_batch(build_target):
 
 def test_bad_batches_are_refused(build_target):
     model = build_target("llama")
-    ids, mask = _left_pad([torch.tensor([1, 2, 3]), torch.tensor([4])])
+    ids, mask = left_padded([torch.tensor([1, 2, 3]), torch.tensor([4])], 0)
     with pytest.raises(ValueError, match="left-padded"):
         prefill(model, ids, mask.flip(-1))
     with pytest.raises(ValueError, match="one \\(B, T\\) shape"):
@@ -195,7 +186,7 @@ def test_a_per_step_policy_switches_trees_and_plain_steps_and_stays_lossless(bui
     model = build_target("llama")
     generator = torch.Generator().manual_seed(5)
     prompts = [torch.randint(1, 128, (n,), generator=generator) for n in (4, 7, 2, 5)]
-    ids, mask = _left_pad(prompts)
+    ids, mask = left_padded(prompts, 0)
     oracles = _oracles(model, rank_oracle, prompts, 16)
     stop = [15]  # ends rows 2, 0 and 1 after 2, 7 and 9 tokens (this seed); row 3 decodes all 16
     asked = []

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from decode import DynamicTree, generate
+from decode.batch import left_padded
 from heads import EagleConfig, EagleHead, MedusaConfig, MedusaHeads
 from heads.target import load_target
 
@@ -95,12 +96,8 @@ def test_batches_of_mixed_lengths_decode_as_each_prompt_alone(target, prompts, p
     heads drafting or plain, equals the prompt decoded alone (EOS rows stop early and leave the batch)."""
     model, tokenizer = target
     rows = prompts[:batch]
-    width = max(ids.shape[1] for ids in rows)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    ids = torch.full((batch, width), pad, dtype=torch.long)
-    mask = torch.zeros(batch, width, dtype=torch.long)
-    for row, prompt in enumerate(rows):
-        ids[row, width - prompt.shape[1] :], mask[row, width - prompt.shape[1] :] = prompt[0], 1
+    ids, mask = left_padded([prompt[0] for prompt in rows], pad)
     heads, tree = _heads(model, kind) if kind else (None, None)
     out = generate(model, ids, heads, attention_mask=mask, max_new_tokens=64, tree=tree)
     for row, prompt in enumerate(rows):
