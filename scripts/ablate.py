@@ -15,7 +15,7 @@ from pathlib import Path
 
 from decode.benchmark import load_prompts
 from heads.target import load_target
-from train.ablation import evaluate_arm, load_spec, run_arm, write_results
+from train.ablation import judge_arm, load_spec, run_arm, write_results
 from train.config import EagleRunConfig, MedusaRunConfig, load_config
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "smollm2"
@@ -51,13 +51,13 @@ def main(argv: list[str] | None = None) -> None:
     prompts, _ = load_prompts(DATA, spec.prompts, 0)
     results = []
     for record in records:
-        tau = evaluate_arm(
-            model, tokenizer, spec.output_dir / record["arm"] / "head", prompts, spec.new_tokens
-        )
-        results.append({**record, "tau": tau})
-        print(
-            f"[{record['arm']}] " + ", ".join(f"{c} tau {t['tau']:.2f}" for c, t in tau.items()), flush=True
-        )
+        for result in judge_arm(model, tokenizer, spec, record, prompts):
+            results.append(result)
+            taus = ", ".join(f"{c} tau {t['tau']:.2f}" for c, t in result["tau"].items())
+            print(
+                f"[{record['arm']}] {result['head']}: draft {result['draft_ms']:.1f} ms/step, {taus}",
+                flush=True,
+            )
     _, table = write_results(spec, results)
     print(table.read_text())
 

@@ -4,6 +4,7 @@ head type against plain decoding and transformers' prompt-lookup decoding, measu
     python scripts/bench.py --eagle3 runs/eagle3/head --eagle1 runs/eagle1/head --medusa1 runs/medusa1/head \\
         --medusa2 runs/medusa2 --prompts 4 --max-new-tokens 96 --temperatures 0 1 --size-tree --out
         results/bench
+    python scripts/bench.py --pretrained --prompts 10 --max-new-tokens 64   # the heads in pretrained/
 
 Prompts (never trained on): chat and instruction-following from data/smollm2/prompts_eval.jsonl (the first
 --prompts of each category), code from prompts_code_eval.jsonl (HumanEval). Tree sizing calibrates on the LAST
@@ -36,9 +37,11 @@ from decode.calibrate import calibrate_batches
 from decode.tree import DynamicTree
 from heads import load_heads
 from heads.files import write_json, write_text
+from heads.shipping import pretrained_dir
 from heads.target import DEFAULT_TARGET, load_target
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "smollm2"
+SHIPPED = ("eagle3", "medusa1")  # the heads --pretrained looks for
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -50,6 +53,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name in ("eagle3", "eagle1", "medusa1"):
         add(f"--{name}", help=f"{name} head folder")
     add("--medusa2", help="Medusa-2 run folder (holding head/ and lora/)")
+    shipped = (
+        "decode with the heads shipped for --model in pretrained/<target>/ (scripts/ship_head.py): its "
+        "eagle3 and medusa1 folders, where --eagle3 / --medusa1 do not name others"
+    )
+    add("--pretrained", action="store_true", help=shipped)
     trees = ("DEPTH", "TOP_K", "TOTAL")
     add(
         "--eagle3-tree",
@@ -94,6 +102,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--batch-sizes", type=int, nargs="+", default=None, metavar="B", help=batches)
     add("--out", type=Path, default=Path("results/bench"))
     args = parser.parse_args(argv)
+    if args.pretrained:
+        found = {name: pretrained_dir(args.model, name) for name in SHIPPED}
+        found = {name: path for name, path in found.items() if (path / "config.json").is_file()}
+        if not found:
+            parser.error(
+                f"--pretrained: no shipped head for {args.model} in {pretrained_dir(args.model, '')}"
+            )
+        for name, path in found.items():
+            setattr(args, name, getattr(args, name) or str(path))
     if args.batch_sizes and not (args.eagle3 or args.medusa1):
         parser.error("--batch-sizes needs --eagle3 or --medusa1 (the head every row drafts with)")
     if args.medusa1_tree and not (args.size_tree and args.medusa1):

@@ -30,6 +30,7 @@ import torch
 import yaml
 
 from heads.files import write_json, write_text
+from train.checkpoint import BEST_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ("eagle", "medusa")
@@ -160,14 +161,68 @@ def evaluate_arm(model, tokenizer, head_dir: Path, prompts: dict[str, list[dict]
         }
 
 
+def arm_heads(arm_dir: Path) -> list[Path]:
+    """The heads an arm is judged by: the last step's `head/`, and `head_best/` too when its run selected
+    checkpoints by simulated tau (`train.keep_best_tau`)."""
+    best = arm_dir / BEST_DIR
+    return [arm_dir / "head"] + ([best] if (best / "config.json").is_file() else [])
+
+
+def recorded_tau(head_dir: Path) -> float | None:
+    """The simulated tau on the run's held-out slice that the recipe recorded in the head's config.json (its
+    last evaluation, or the best one for `head_best/`); None when the run measured none."""
+    return json.loads((head_dir / "config.json").read_text()).get("eval_tau")
+
+
+@torch.no_grad()
+def draft_cost_ms(model, tokenizer, head_dir: Path, row: dict, repeats: int = 15) -> float:
+    """Milliseconds of the drafter's work in one greedy decoding step with the default tree (taking in two
+    accepted positions, then drafting), after prefilling the chat prompt `row`: the CPU price of an arm's
+    head (a larger draft vocabulary costs a larger draft lm_head); `decode.calibrate.measure_propose_cost`."""
+    from decode.benchmark import prompt_ids
+    from decode.calibrate import measure_propose_cost
+    from decode.propose import drafter_limits
+    from decode.tree import resolve_tree
+    from heads import load_heads
+
+    head = load_heads(head_dir, model)
+    max_depth, dynamic = drafter_limits(head)
+    tree = resolve_tree(None, max_depth=max_depth, dynamic=dynamic, device=model.device)
+    context = prompt_ids(tokenizer, row).to(model.device)  # (1, T)
+    return 1000 * measure_propose_cost(model, head, context, [tree], repeats=repeats)[0]
+
+
+def judge_arm(
+    model, tokenizer, spec: AblationSpec, record: dict, prompts: dict[str, list[dict]]
+) -> list[dict]:
+    """An arm's results, one per head it is judged by (`arm_heads`): its training record, the head, the
+    simulated tau its run recorded for it, its draft cost (on the first chat prompt, or the first prompt of
+    any category) and its tau per category."""
+    first = next(iter(prompts.get("chat") or [r for rows in prompts.values() for r in rows]))
+    return [
+        {
+            **record,
+            "head": head_dir.name,
+            "eval_tau": recorded_tau(head_dir),
+            "draft_ms": draft_cost_ms(model, tokenizer, head_dir, first),
+            "tau": evaluate_arm(model, tokenizer, head_dir, prompts, spec.new_tokens),
+        }
+        for head_dir in arm_heads(spec.output_dir / record["arm"])
+    ]
+
+
 def render(spec: AblationSpec, results: list[dict]) -> str:
-    """A markdown table: one row per arm, its overrides, training seconds and tau per category."""
+    """A markdown table: one row per arm, its overrides, training seconds, the head judged, the simulated tau
+    its run recorded, the draft cost per step and tau per category."""
     categories = list(results[0]["tau"]) if results else []
-    head = ["arm", "overrides", "train s", *(f"{c} tau" for c in categories)]
+    head = ["arm", "overrides", "train s", "head", "sim tau", "draft ms", *(f"{c} tau" for c in categories)]
     title = (
         f"Ablation of `{spec.base}` ({spec.recipe}), common overrides: `{' '.join(spec.overrides) or '-'}`; "
         f"greedy `decode.generate`, default tree, {spec.prompts} held-out prompts per category, "
-        f"{spec.new_tokens} new tokens; tau pooled (median of prompts in brackets)."
+        f"{spec.new_tokens} new tokens; tau pooled (median of prompts in brackets). sim tau: the median "
+        "simulated tau on the run's held-out slice, as its last (or, for head_best, its best) evaluation "
+        "recorded it; draft ms: the drafter's median milliseconds per greedy step with the default tree on "
+        "this machine."
     )
     lines = [
         title,
@@ -178,7 +233,14 @@ def render(spec: AblationSpec, results: list[dict]) -> str:
     for r in results:
         taus = [f"{r['tau'][c]['tau']:.2f} ({r['tau'][c]['tau_median']:.2f})" for c in categories]
         overrides = " ".join(f"`{o}`" for o in r["overrides"]) or "(reference)"
-        lines.append(f"| {r['arm']} | {overrides} | {r['seconds']:.0f} | " + " | ".join(taus) + " |")
+        sim = "-" if r.get("eval_tau") is None else f"{r['eval_tau']:.2f}"
+        cost = "-" if r.get("draft_ms") is None else f"{r['draft_ms']:.1f}"
+        judged = r.get("head", "head")
+        lines.append(
+            f"| {r['arm']} | {overrides} | {r['seconds']:.0f} | {judged} | {sim} | {cost} | "
+            + " | ".join(taus)
+            + " |"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -103,6 +103,7 @@ def train_loop(
         for stale in (BEST_DIR, BEST_DIR.replace("head", "lora")):  # a fresh run in a reused folder
             shutil.rmtree(run.output_dir / stale, ignore_errors=True)
     accelerator.wait_for_everyone()
+    final_tau = None  # the simulated tau of the last step (main process), recorded in the final export
     progress = tqdm(total=num_steps, initial=step, disable=not accelerator.is_main_process, desc="train")
     logger = StepLogger(accelerator, progress, train.log_every_steps)
     while step < num_steps:
@@ -133,6 +134,7 @@ def train_loop(
             logger.step(step, step == num_steps, value, run.scheduler.get_last_lr()[0], grad_norm, metrics)
             if (train.eval_every_steps and step % train.eval_every_steps == 0) or step == num_steps:
                 logs = evaluate(accelerator, module, eval_set, run.cfg, pad_id, step, eval_loss, eval_tau)
+                final_tau = logs.get("eval_tau") if step == num_steps else None
                 if train.keep_best_tau:
                     best = keep_best(accelerator, logs.get("eval_tau"), best, step, export)
             if train.save_every_steps and step % train.save_every_steps == 0 and step < num_steps:
@@ -142,7 +144,7 @@ def train_loop(
                 break
     progress.close()
     save_state(accelerator, run.output_dir, step, train.keep_checkpoints)
-    path = export(step)
+    path = export(step, eval_tau=final_tau)  # the last step's simulated tau, if measured, in its config.json
     accelerator.print(f"exported {path}")
     if train.keep_best_tau and best is not None:
         accelerator.print(f"best simulated tau {best:.4f}: {run.output_dir / BEST_DIR}")

@@ -12,7 +12,18 @@ import pytest
 import yaml
 
 from heads.target import load_target
-from train.ablation import DONE, SPENT, arm_command, evaluate_arm, load_spec, render, run_arm, write_results
+from train.ablation import (
+    DONE,
+    SPENT,
+    arm_command,
+    evaluate_arm,
+    judge_arm,
+    load_spec,
+    render,
+    run_arm,
+    write_results,
+)
+from train.checkpoint import BEST_DIR
 from train.config import EagleRunConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -71,9 +82,12 @@ def test_two_arms_train_resume_evaluate_and_tabulate(tmp_path, tiny_target_dir, 
     common = [
         f"model.target={tiny_target_dir}",
         f"data.train_files=[{chat_file}]",
-        "train.eval_tau_prompts=0",
+        "train.eval_tau_prompts=1",
+        "train.eval_tau_new_tokens=4",
+        "train.eval_every_steps=0",  # at the end only
     ]
-    arms = {"reference": [], "ttt1": ["eagle.ttt_steps=1"], "broken": ["eagle.ttt_steps=0"]}
+    best = ["train.keep_best_tau=true", "train.eval_every_steps=1"]
+    arms = {"reference": best, "ttt1": ["eagle.ttt_steps=1"], "broken": ["eagle.ttt_steps=0"]}
     spec = load_spec(_spec_file(tmp_path, overrides=common, arms=arms, prompts=2, new_tokens=6))
     logs = []
     # "ttt1" interrupted after one step: a first launch that stops there, then the arm resumes from step 1
@@ -98,19 +112,30 @@ def test_two_arms_train_resume_evaluate_and_tabulate(tmp_path, tiny_target_dir, 
     model, tokenizer = load_target(str(tiny_target_dir))
     chats = [{"messages": [{"role": "user", "content": f"Say {word} twice."}]} for word in ("one", "two")]
     prompts = {"chat": chats, "code": chats[:1]}
-    results = [
-        {**r, "tau": evaluate_arm(model, tokenizer, spec.output_dir / r["arm"] / "head", prompts, 6)}
-        for r in records
+    results = [result for r in records for result in judge_arm(model, tokenizer, spec, r, prompts)]
+    # the reference arm kept its best checkpoint too: judged twice; ttt1 by its last step only
+    assert [(r["arm"], r["head"]) for r in results] == [
+        ("reference", "head"),
+        ("reference", BEST_DIR),
+        ("ttt1", "head"),
     ]
     for result in results:
         assert [c for c in result["tau"]] == ["chat", "code"]
         assert result["tau"]["chat"]["prompts"] == 2 and result["tau"]["code"]["prompts"] == 1
         assert all(t["tau"] >= 1.0 and t["tau_median"] >= 1.0 for t in result["tau"].values())
+        config = json.loads((spec.output_dir / result["arm"] / result["head"] / "config.json").read_text())
+        assert result["eval_tau"] == config["eval_tau"] >= 1.0  # what the run recorded for that head
+        assert result["draft_ms"] > 0
+    assert results[0]["tau"] == evaluate_arm(
+        model, tokenizer, spec.output_dir / "reference" / "head", prompts, 6
+    )
     data, table = write_results(spec, results)
     text = table.read_text()
     assert text == render(spec, results) and "| ttt1 | `eagle.ttt_steps=1` |" in text
-    assert "| reference | (reference) |" in text and text.count("\n| ") == 3  # header + 2 arms
-    assert [r["arm"] for r in json.loads(data.read_text())["results"]] == ["reference", "ttt1"]
+    assert "| reference | `train.keep_best_tau=true` `train.eval_every_steps=1` |" in text
+    assert f"| {BEST_DIR} | {results[1]['eval_tau']:.2f} | {results[1]['draft_ms']:.1f} |" in text
+    assert text.count("\n| ") == 4  # header + 3 judged heads
+    assert [r["arm"] for r in json.loads(data.read_text())["results"]] == ["reference", "reference", "ttt1"]
 
 
 def test_script_refuses_an_unknown_arm(tmp_path, capsys):

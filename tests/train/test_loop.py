@@ -85,8 +85,8 @@ def test_loop_evaluates_checkpoints_exports_and_drops_idle_gradients(
         seen["tau_calls"] += 1
         return 1.5
 
-    def export(step):
-        seen["exports"].append(step)
+    def export(step, eval_tau=None):
+        seen["exports"].append((step, eval_tau))
         return out / f"export-{step}"
 
     path = train_loop(
@@ -103,7 +103,7 @@ def test_loop_evaluates_checkpoints_exports_and_drops_idle_gradients(
     log = capsys.readouterr().out
     assert path == out / "export-5" and f"exported {path}" in log
     assert seen["loss_steps"] == [0, 1, 2, 3, 4]  # one batch per optimizer step
-    assert seen["exports"] == [2, 4, 5]
+    assert seen["exports"] == [(2, None), (4, None), (5, 1.5)]  # the final export records the last eval's tau
     assert sorted(p.name for p in (out / "state").iterdir()) == ["step-2", "step-4", "step-5"]
     assert [line.split(":")[0] for line in log.splitlines() if "eval_loss" in line] == [
         "step 2",
@@ -154,13 +154,14 @@ def test_loop_keeps_the_export_of_the_best_simulated_tau(tmp_path, overrides, fr
     (out / BEST_DIR / "config.json").write_text(json.dumps({"eval_tau": 9.0}))
     torch.manual_seed(0)
     run_once()
-    assert exports == [(2, BEST_DIR, 1.2), (4, BEST_DIR, 1.5), (6, EXPORT_DIR, None)]
+    # the final export records the last evaluation's tau (1.4), not the best
+    assert exports == [(2, BEST_DIR, 1.2), (4, BEST_DIR, 1.5), (6, EXPORT_DIR, 1.4)]
     assert best_tau(out) == 1.5 and "best simulated tau 1.5000" in capsys.readouterr().out
     (out / BEST_DIR / "config.json").write_text(json.dumps({"eval_tau": 1.6}))  # as if from before a resume
     cfg.train.max_steps = 12  # the same run, resumed from its step-6 state for 6 more steps
     exports.clear()
     run_once()
-    assert exports == [(12, BEST_DIR, 1.7), (12, EXPORT_DIR, None)]  # 1.3 and 1.5 did not beat 1.6
+    assert exports == [(12, BEST_DIR, 1.7), (12, EXPORT_DIR, 1.7)]  # 1.3 and 1.5 did not beat 1.6
     with pytest.raises(ValueError, match="eval_tau_prompts > 0"):
         TrainConfig(output_dir=str(tmp_path), keep_best_tau=True)
 
@@ -171,7 +172,9 @@ def test_eagle_recipe_exports_the_best_head_with_its_tau(tmp_path, overrides, ru
     run_recipe(overrides(out, *args, "train.eval_tau_new_tokens=4", "train.keep_best_tau=true"))
     best = json.loads((out / BEST_DIR / "config.json").read_text())
     assert best["train_step"] in (1, 2) and best["eval_tau"] >= 1.0 and best_tau(out) == best["eval_tau"]
-    assert "eval_tau" not in json.loads((out / EXPORT_DIR / "config.json").read_text())
+    last = json.loads((out / EXPORT_DIR / "config.json").read_text())  # the step-2 evaluation's tau
+    assert last["train_step"] == 2 and last["eval_tau"] >= 1.0
+    assert best["train_step"] == 1 or best["eval_tau"] == last["eval_tau"]
     assert sorted(p.name for p in (out / BEST_DIR).iterdir()) == ["config.json", "model.safetensors"]
 
 

