@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 
 from decode.accept import accept_greedy, accept_sampling, sample, target_probs
+from decode.batch_draft import make_batch_drafter, propose_batch
 from decode.propose import Drafter, drafter_limits, make_drafter, propose
 from decode.timing import synchronize
 from decode.tree import resolve_tree
@@ -238,6 +239,7 @@ def generate_batch(
     seed: int | None = None,
     eos_token_id: int | list[int] | None = None,
     pad_token_id: int = 0,
+    batch_draft: bool = True,
 ) -> BatchOutput:
     """Speculative decoding of B prompts at once: every row drafts its own tree below its own last token, one
     target forward verifies all B trees (`verify_batch`), each row accepts its own path (greedy, or the
@@ -255,6 +257,8 @@ def generate_batch(
             (plain decoding for that step), asked every step (`decode.sizing.policy_tree` over
             `batch_policy`'s choices), so the tree follows the batch as sequences finish.
         pad_token_id: what pads the replies in `sequences`.
+        batch_draft: draft every row's tree in one head forward per level (`decode.batch_draft`; EAGLE and
+            Medusa heads); False drafts row by row, one drafter each (what a list of drafters always does).
     Returns:
         BatchOutput.
     """
@@ -266,12 +270,22 @@ def generate_batch(
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     batch = input_ids.shape[0]
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+    together = None  # the batched drafter, when the rows draft together (`decode.batch_draft`)
     if isinstance(heads, (list, tuple)):
         if len(heads) != batch:
             raise ValueError(f"{len(heads)} drafters for a batch of {batch}")
         drafters = list(heads)
+    elif isinstance(heads, Drafter) and batch > 1:
+        raise ValueError(
+            f"one Drafter instance for a batch of {batch}: a drafter holds one sequence's state; pass a list "
+            f"of {batch} drafters, or the head module (each row then gets its own drafter)"
+        )
     else:
-        drafters = [None if heads is None else make_drafter(heads, model) for _ in range(batch)]
+        together = make_batch_drafter(heads, model, batch) if heads is not None and batch_draft else None
+        if together is not None:
+            drafters = [together] * batch  # one drafter for all rows (its feature_layers, its limits)
+        else:
+            drafters = [None if heads is None else make_drafter(heads, model) for _ in range(batch)]
     resolved: dict = {}  # tree spec -> its resolved form (a policy hands out a few specs, again and again)
 
     def spec_for(rows_alive: int):
@@ -309,25 +323,30 @@ def generate_batch(
         stats = [{"steps": 0, "emitted": 0, "per_depth": []} for _ in range(batch)]
         rows = [r for r in range(batch) if not (generated[r][0] in eos or max_new_tokens == 1)]
         prompt = input_ids.to(model.device)
-        for r in rows:
-            if drafters[r] is not None:
-                valid = state.valid[r]
-                drafters[r].advance(features[r][valid], torch.cat([prompt[r][valid][1:], roots[r]]))
+        if together is not None and rows:
+            taken = [
+                (features[r][state.valid[r]], torch.cat([prompt[r][state.valid[r]][1:], roots[r]]))
+                for r in rows
+            ]
+            if len(rows) < batch:
+                together.select(torch.tensor(rows, dtype=torch.long, device=state.valid.device))
+            together.advance([f for f, _ in taken], [t for _, t in taken])
+        else:
+            for r in rows:
+                if drafters[r] is not None:
+                    valid = state.valid[r]
+                    drafters[r].advance(features[r][valid], torch.cat([prompt[r][valid][1:], roots[r]]))
         if len(rows) < batch:
             state.select(torch.tensor(rows, dtype=torch.long, device=state.valid.device))
         while rows:
             spec = spec_for(len(rows))  # None: a plain step (the drafters still take in what is accepted)
-            trees = [
-                propose(
-                    drafters[r] if spec is not None else None,
-                    roots[r],
-                    spec,
-                    temperature=temperature,
-                    generator=generator,
-                    vocab_size=vocab_size,
-                )
-                for r in rows
-            ]
+            draws = {"temperature": temperature, "generator": generator, "vocab_size": vocab_size}
+            if together is not None and spec is not None:
+                trees = propose_batch(together, torch.cat([roots[r] for r in rows]), spec, **draws)
+            else:
+                trees = [
+                    propose(drafters[r] if spec is not None else None, roots[r], spec, **draws) for r in rows
+                ]
             sizes = {len(t) for t in trees}
             if len(sizes) != 1:
                 raise NotImplementedError(
@@ -343,7 +362,7 @@ def generate_batch(
                 capture,
             )
             forwards += 1
-            keeps, alive = [], []
+            keeps, alive, taken = [], [], []
             for i, (r, draft) in enumerate(zip(rows, trees)):
                 if temperature == 0:
                     path, bonus = accept_greedy(draft, logits[i])
@@ -366,10 +385,18 @@ def generate_batch(
                     alive.append(i)
                     if drafters[r] is not None:
                         kept = torch.tensor(keep, device=logits.device)
-                        drafters[r].advance(
+                        accepted = (
                             step_features[i].index_select(0, kept),
                             torch.cat([draft.tokens[kept[1:]], roots[r]]),
                         )
+                        if together is not None:
+                            taken.append(accepted)  # the batch's drafter takes every row in one call below
+                        else:
+                            drafters[r].advance(*accepted)
+            if together is not None and alive:
+                if len(alive) < len(rows):
+                    together.select(torch.tensor(alive, dtype=torch.long, device=state.valid.device))
+                together.advance([f for f, _ in taken], [t for _, t in taken])
             commit(state, keeps, size)
             if len(alive) < len(rows):
                 state.select(torch.tensor(alive, dtype=torch.long, device=state.valid.device))

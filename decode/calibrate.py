@@ -15,6 +15,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from decode.batch import commit, prefill, verify_batch
+from decode.batch_draft import make_batch_drafter, propose_batch
 from decode.generate import generate
 from decode.layout import can_pack, is_pretransposed, pack_linears, packed_rows
 from decode.prepare import head_rows
@@ -162,6 +163,40 @@ def measure_propose_cost(
     return costs
 
 
+@torch.no_grad()
+def measure_batch_propose_cost(
+    model: nn.Module,
+    heads: nn.Module,
+    context: torch.Tensor,
+    batch: int,
+    trees: Sequence[TreeBuffers | DynamicTree],
+    repeats: int = 5,
+    advance_tokens: int = 2,
+) -> list[float]:
+    """`measure_propose_cost` for B rows drafting together (`decode.batch_draft`): median seconds of one
+    step's drafting for the whole batch (every row taking in `advance_tokens` positions, then every row's
+    tree grown), per tree, over B copies of `context` (1, T)."""
+    drafter = make_batch_drafter(heads, model, batch)
+    if drafter is None:
+        raise TypeError(f"{type(heads).__name__} has no batched drafter")
+    capture = FeatureCapture(model, drafter.feature_layers)
+    with capture:
+        out = model(input_ids=context, use_cache=False, logits_to_keep=1)
+        features = capture.features()[0]
+    root = out.logits[0, -1].argmax().view(1)
+    tokens = torch.cat([context[0, 1:], root])
+    keep = min(advance_tokens, tokens.numel())
+    drafter.advance([features[:-keep]] * batch, [tokens[:-keep]] * batch)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    roots = root.expand(batch)
+
+    def step(tree) -> None:
+        drafter.advance([features[-keep:]] * batch, [tokens[-keep:]] * batch)
+        propose_batch(drafter, roots, tree, temperature=0.0, generator=None, vocab_size=vocab)
+
+    return [_median_seconds(lambda tree=tree: step(tree), repeats, model.device) for tree in trees]
+
+
 @dataclass
 class Calibration:
     """What `calibrate` measured for one head on one machine, and the search over trees it allows."""
@@ -248,9 +283,12 @@ def calibrate(
     return Calibration(acceptance, verify_cost, candidates, measure_propose)
 
 
-def _draft_model(model, heads, prompts, max_new_tokens, max_size, max_depth, max_top_k, repeats):
+def _draft_model(
+    model, heads, prompts, max_new_tokens, max_size, max_depth, max_top_k, repeats, measure=True
+):
     """Steps 1 and 3 of `calibrate`: acceptance per (depth, rank) from probe decoding, the drafting cost per
-    tree shape, and the search grid (budgets below `max_size`)."""
+    tree shape (one row; not measured when `measure` is False), and the search grid (budgets below
+    `max_size`)."""
     eagle = isinstance(heads, EagleHead)
     if eagle:
         probe: TreeBuffers | DynamicTree = DynamicTree(depth=max_depth, top_k=max_top_k, total_tokens=48)
@@ -267,7 +305,9 @@ def _draft_model(model, heads, prompts, max_new_tokens, max_size, max_depth, max
     depths = range(1, min(max_depth, len(acceptance)) + 1)
     top_ks = range(1, max_top_k + 1)
     budgets = range(1, max_size)
-    if eagle:  # one measurement per (depth, top_k) shape, at the largest budget
+    if not measure:
+        propose_cost = None
+    elif eagle:  # one measurement per (depth, top_k) shape, at the largest budget
         by_shape = {(d, k): measure_propose(DynamicTree(d, k, budgets[-1])) for d in depths for k in top_ks}
 
         def propose_cost(n: int, d: int, k: int) -> float:
@@ -300,8 +340,23 @@ def calibrate_batches(
     (`decode.sizing.batch_policy`; `decode.sizing.policy_tree` turns the result into a per-step policy)."""
     if 1 not in verify_sizes:
         raise ValueError(f"verify_sizes must include 1 (plain decoding's cost), got {list(verify_sizes)}")
-    acceptance, propose_cost, _, grid = _draft_model(
-        model, heads, prompts, max_new_tokens, max(verify_sizes), max_depth, max_top_k, repeats
+    acceptance, _, _, grid = _draft_model(
+        model, heads, prompts, max_new_tokens, max(verify_sizes), max_depth, max_top_k, repeats, measure=False
     )
     costs = measure_batch_verify_cost(model, prompts[0], batch_sizes, verify_sizes, repeats)
+    # drafting cost per batch size and tree shape, the rows drafting together as `generate_batch` drafts them
+    budget = grid["budgets"][-1]
+    if grid["dynamic"]:
+        shapes = [(d, k) for d in grid["depths"] for k in grid["top_ks"]]
+        trees = [DynamicTree(d, k, budget) for d, k in shapes]
+    else:
+        shapes, trees = [(0, 0)], [build_tree([(0,)])]
+    drafting = {
+        b: dict(zip(shapes, measure_batch_propose_cost(model, heads, prompts[0], b, trees, repeats)))
+        for b in batch_sizes
+    }
+
+    def propose_cost(batch: int, n: int, d: int, k: int) -> float:
+        return drafting[batch][(d, k) if grid["dynamic"] else (0, 0)]
+
     return batch_policy(acceptance, costs, propose_cost, **grid)

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 
 from decode.accept import accept_greedy, accept_sampling, accept_typical, sample, target_probs
-from decode.batch import BatchOutput, generate_batch, stop_tokens, truncate_at_stop
+from decode.batch import BatchOutput, generate_batch, left_padded, stop_tokens, truncate_at_stop
 from decode.propose import drafter_limits, float_dtype, make_drafter, propose
 from decode.timing import synchronize
 from decode.tree import resolve_tree
@@ -243,6 +243,46 @@ def generate(
         seconds=seconds,
         stopped_at_eos=generated[-1] in eos,
     )
+
+
+@dataclass
+class PromptResult:
+    """One prompt's outcome in `decode_prompts`."""
+
+    reply: list[int]  # the generated tokens (EOS included when hit)
+    steps: int  # verify passes
+    tau: float  # tokens per verify pass, the bonus token included
+
+
+def decode_prompts(
+    model: nn.Module,
+    prompts: list[Tensor],
+    heads: nn.Module | None,
+    *,
+    max_new_tokens: int,
+    batch_size: int = 1,
+    pad_token_id: int = 0,
+    **kwargs,
+) -> list[PromptResult]:
+    """Decode each 1-D prompt of `prompts`, `batch_size` at a time: one `generate` per prompt when 1, else
+    left-padded batches through `decode.batch` (every row decodes as it would alone: at T=0 the same tokens
+    and the same steps). For loops over prompt sets that want acceptance, not per-prompt timing (simulated
+    tau, the ablation's tau per category). `kwargs` go to `generate` (tree, temperature, seed, eos_token_id).
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    results = []
+    for start in range(0, len(prompts), batch_size):
+        chunk = [p.reshape(-1) for p in prompts[start : start + batch_size]]
+        if len(chunk) == 1:
+            out = generate(model, chunk[0], heads, max_new_tokens=max_new_tokens, **kwargs)
+            reply = out.sequences[0, chunk[0].numel() :].tolist()
+            results.append(PromptResult(reply, out.steps, out.tau))
+            continue
+        ids, mask = left_padded(chunk, pad_token_id)
+        out = generate(model, ids, heads, max_new_tokens=max_new_tokens, attention_mask=mask, **kwargs)
+        results += [PromptResult(r, s, t) for r, s, t in zip(out.replies, out.steps, out.tau)]
+    return results
 
 
 def _count_offered(parents: list[int], ranks: list[int], path: list[int], offered: list[list[int]]) -> None:

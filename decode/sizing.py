@@ -216,8 +216,8 @@ def batch_policy(
     """Per measured batch size B, the tree that maximises the batch's expected tokens per second, or plain
     decoding where none beats it.
 
-    With B rows each drafting its own tree one after another and one target forward over all B trees:
-    tokens/s = B x E[tokens per step] / (C_T(B, n + 1) + B x C_P(tree)), against B / C_T(B, 1) for plain
+    With B rows drafting their trees (together, `decode.batch_draft`) and one target forward over all B trees:
+    tokens/s = B x E[tokens per step] / (C_T(B, n + 1) + C_P(B, tree)), against B / C_T(B, 1) for plain
     decoding. As B grows the target pass turns from memory-bound to compute-bound, C_T(B, n + 1) grows with
     B x n and the best tree shrinks, down to none.
 
@@ -225,7 +225,8 @@ def batch_policy(
         acceptance: a[d-1][r] from `rank_acceptance`.
         verify_cost: {B: {n: seconds of one target forward over B rows of n tree tokens each}}, measured
             (`decode.calibrate.measure_batch_verify_cost`); every B needs n = 1 (plain decoding).
-        propose_cost: (draft_nodes, depth, top_k) -> seconds for one row to draft that tree.
+        propose_cost: (batch, draft_nodes, depth, top_k) -> seconds for B rows to draft that tree each
+            (`decode.calibrate.measure_batch_propose_cost`).
         dynamic, budgets, depths, top_ks: as `size_tree`.
     """
     choices = {}
@@ -237,7 +238,7 @@ def batch_policy(
         candidates = size_tree(
             acceptance,
             costs,
-            lambda n, d, k, b=batch: b * propose_cost(n, d, k),
+            lambda n, d, k, b=batch: propose_cost(b, n, d, k),
             dynamic=dynamic,
             budgets=budgets,
             depths=depths,

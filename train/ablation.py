@@ -129,34 +129,44 @@ def run_arm(spec: AblationSpec, name: str, log=print) -> dict:
     return record
 
 
-def _pooled_tau(model, tokenizer, head, rows: list[dict], new_tokens: int) -> dict:
-    """Greedy `decode.generate` with the head's default tree on chat-template prompts: pooled tau (tokens
-    emitted by verify passes / verify passes, the bonus token counted, the prefill's token left out, as
-    `decode.benchmark` pools it) and the median of per-prompt taus."""
-    from decode import generate  # train -> decode: an allowed direction; lazy, as in train/evaluate.py
-    from decode.benchmark import prompt_ids
+def _pooled_tau(model, tokenizer, head, rows: list[dict], new_tokens: int, batch_size: int) -> dict:
+    """Greedy decoding with the head's default tree on chat-template prompts
+    (`decode.generate.decode_prompts`, `batch_size` prompts per batch: the same tokens and steps as one at a
+    time): pooled tau (tokens emitted by verify passes / verify passes, the bonus token counted, the prefill's
+    token left out, as `decode.benchmark` pools it) and the median of per-prompt taus."""
+    from decode.benchmark import prompt_ids  # train -> decode: an allowed direction; lazy, as in evaluate.py
+    from decode.generate import decode_prompts
+    from train.data import pad_token_id
 
-    emitted = steps = 0
-    taus = []
-    for row in rows:
-        out = generate(model, prompt_ids(tokenizer, row).to(model.device), head, max_new_tokens=new_tokens)
-        emitted, steps = emitted + out.new_tokens - 1, steps + out.steps
-        taus.append(out.tau)
+    prompts = [prompt_ids(tokenizer, row).to(model.device)[0] for row in rows]
+    results = decode_prompts(
+        model,
+        prompts,
+        head,
+        max_new_tokens=new_tokens,
+        batch_size=batch_size,
+        pad_token_id=pad_token_id(tokenizer),
+    )
+    emitted = sum(len(r.reply) - 1 for r in results)
+    steps = sum(r.steps for r in results)
     return {
         "tau": emitted / steps if steps else 1.0,
-        "tau_median": statistics.median(taus),
+        "tau_median": statistics.median(r.tau for r in results),
         "prompts": len(rows),
     }
 
 
-def evaluate_arm(model, tokenizer, head_dir: Path, prompts: dict[str, list[dict]], new_tokens: int) -> dict:
-    """{category: pooled tau record} of the head in `head_dir` on `prompts` ({category: rows})."""
+def evaluate_arm(
+    model, tokenizer, head_dir: Path, prompts: dict[str, list[dict]], new_tokens: int, batch_size: int = 1
+) -> dict:
+    """{category: pooled tau record} of the head in `head_dir` on `prompts` ({category: rows}), decoded
+    `batch_size` prompts at a time."""
     from heads import load_heads
 
     head = load_heads(head_dir, model)
     with torch.no_grad():
         return {
-            category: _pooled_tau(model, tokenizer, head, rows, new_tokens)
+            category: _pooled_tau(model, tokenizer, head, rows, new_tokens, batch_size)
             for category, rows in prompts.items()
         }
 

@@ -9,8 +9,11 @@ from transformers import DynamicCache
 
 from decode import generate
 from decode.batch import commit, generate_batch, left_padded, prefill, verify_batch
+from decode.generate import decode_prompts
+from decode.propose import make_drafter
 from decode.tree import DraftTree, DynamicTree
 from decode.verify import compact_cache, verify
+from heads import EagleConfig, EagleHead
 
 ARCHS = ["llama", "qwen2", "mistral", "gemma", "gemma2", "gemma3_text"]
 
@@ -177,6 +180,36 @@ def test_bad_batches_are_refused(build_target):
         generate(
             model, ids, None, attention_mask=mask, max_new_tokens=2, temperature=1.0, acceptance="typical"
         )
+    shared = make_drafter(EagleHead(EagleConfig.from_target(model.config, "eagle3")), model)
+    with pytest.raises(
+        ValueError, match="one Drafter instance for a batch of 2: a drafter holds one sequence"
+    ):
+        generate_batch(model, ids, mask, shared, max_new_tokens=2)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_decode_prompts_in_batches_equals_one_prompt_at_a_time(build_target, temperature):
+    """`decode_prompts`: 5 prompts in batches of 2 (2 + 2 + 1) give each prompt's reply, steps and tau as one
+    `generate` per prompt, with an EAGLE-3 head and without (greedy); sampling stays a distribution per row,
+    so there only the shapes and the per-row bookkeeping are compared (replies of the right lengths)."""
+    model = build_target("qwen2")
+    torch.manual_seed(1)
+    head = EagleHead(EagleConfig.from_target(model.config, "eagle3")).eval()
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, 128, (n,), generator=generator) for n in (4, 7, 2, 9, 5)]
+    for heads in (head, None):
+        kwargs = {"max_new_tokens": 8, "eos_token_id": [], "temperature": temperature, "seed": 0}
+        one = decode_prompts(model, prompts, heads, batch_size=1, **kwargs)
+        two = decode_prompts(model, prompts, heads, batch_size=2, **kwargs)
+        assert len(one) == len(two) == 5
+        assert all(len(r.reply) == 8 and r.steps >= 1 for r in one + two)
+        if temperature == 0:
+            assert [(r.reply, r.steps) for r in two] == [(r.reply, r.steps) for r in one]
+            assert [r.tau for r in two] == pytest.approx([r.tau for r in one])
+            alone = generate(model, prompts[3], heads, max_new_tokens=8, eos_token_id=[])
+            assert one[3].reply == alone.sequences[0, 9:].tolist()
+    with pytest.raises(ValueError, match="batch_size must be >= 1, got 0"):
+        decode_prompts(model, prompts, None, max_new_tokens=2, batch_size=0)
 
 
 def test_a_per_step_policy_switches_trees_and_plain_steps_and_stays_lossless(build_target, rank_oracle):

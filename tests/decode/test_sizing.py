@@ -154,7 +154,7 @@ def test_batch_policy_speculates_while_verifying_is_cheap_and_stops_where_it_los
     choices = batch_policy(
         acceptance,
         {1: flat, 16: linear},
-        lambda n, d, k: 0.0005 * d,
+        lambda b, n, d, k: 0.0005 * d * (1 + b / 16),  # rows draft together: far below B single drafts
         dynamic=True,
         budgets=[2, 4, 8],
         depths=[1, 2, 3],
@@ -167,5 +167,11 @@ def test_batch_policy_speculates_while_verifying_is_cheap_and_stops_where_it_los
     assert policy_tree(choices, 16) is None
     with pytest.raises(ValueError, match="no plain-decoding cost"):
         batch_policy(
-            acceptance, {2: {4: 0.01}}, lambda n, d, k: 0.0, dynamic=True, budgets=[2], depths=[1], top_ks=[1]
+            acceptance,
+            {2: {4: 0.01}},
+            lambda b, n, d, k: 0.0,
+            dynamic=True,
+            budgets=[2],
+            depths=[1],
+            top_ks=[1],
         )

@@ -1,0 +1,111 @@
+"""decode/batch_draft.py: drafting B rows in one head forward per level grows, row by row, the trees each
+row's own drafter grows alone (EAGLE-1, EAGLE-3 and Medusa; dynamic and static trees), over steps where the
+rows take in different numbers of accepted positions, after a row leaves the batch, and after the draft cache
+is compacted; and batched decoding with it stays equal to each prompt decoded alone."""
+
+import pytest
+import torch
+
+from decode import generate
+from decode.batch import generate_batch, left_padded
+from decode.batch_draft import BatchEagleDrafter, make_batch_drafter, propose_batch
+from decode.propose import make_drafter, propose
+from decode.tree import DynamicTree, build_tree
+from heads import EagleConfig, EagleHead, MedusaConfig, MedusaHeads
+
+TREES = [DynamicTree(depth=4, top_k=3, total_tokens=8), build_tree([(0,), (1,), (0, 0), (1, 0), (0, 0, 0)])]
+
+
+def _head(model, kind: str):
+    torch.manual_seed(2)
+    if kind == "medusa":
+        head = MedusaHeads(MedusaConfig(model.config.hidden_size, model.config.vocab_size, num_heads=3))
+    else:
+        vocab = {"draft_vocab_size": 64} if kind == "eagle3" else {}
+        head = EagleHead(EagleConfig.from_target(model.config, kind, **vocab))
+        if kind == "eagle3":
+            head.set_draft_vocab(torch.randperm(model.config.vocab_size)[:64])
+    for param in head.parameters():  # distinct logits: no near-ties for top-k to break differently
+        if param.is_floating_point():
+            torch.nn.init.normal_(param, std=0.5)
+    return head.eval()
+
+
+def _same(alone, together, where: str) -> None:
+    for name in ("tokens", "parents", "ranks", "depths", "ancestors"):
+        assert torch.equal(getattr(alone, name), getattr(together, name)), f"{where}: {name}"
+    assert (alone.max_depth, alone.max_children) == (together.max_depth, together.max_children), where
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3", "medusa"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_batched_drafting_grows_the_trees_each_row_grows_alone(build_target, arch, kind):
+    model = build_target(arch)
+    head = _head(model, kind)
+    width = len(head.feature_layers) * model.config.hidden_size
+    generator = torch.Generator().manual_seed(7)
+
+    def taken(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(n, width, generator=generator), torch.randint(0, 128, (n,), generator=generator)
+
+    rows = [taken(n) for n in (5, 40, 3)]  # prompts of different lengths; row 1 leaves after two steps
+    alone = [make_drafter(head, model) for _ in rows]
+    together = make_batch_drafter(head, model, len(rows))
+    for drafter, (f, t) in zip(alone, rows):
+        drafter.advance(f, t)
+    together.advance([f for f, _ in rows], [t for _, t in rows])
+    live = [0, 1, 2]
+    for step in range(5):
+        if step == 2:  # row 1 finished: it leaves, and its long history is compacted away at the next advance
+            together.select(torch.tensor([0, 2]))
+            live = [0, 2]
+        roots = torch.randint(0, 128, (len(live),), generator=generator)
+        for tree in TREES:
+            batch = propose_batch(together, roots, tree, temperature=0.0, generator=None, vocab_size=128)
+            for i, r in enumerate(live):
+                one = propose(
+                    alone[r], roots[i : i + 1], tree, temperature=0.0, generator=None, vocab_size=128
+                )
+                _same(one, batch[i], f"{arch} {kind} step {step} row {r} {type(tree).__name__}")
+        accepted = [taken(n) for n in (1, 3, 2)[: len(live)]]  # each row accepted a different number
+        for r, (f, t) in zip(live, accepted):
+            alone[r].advance(f, t)
+        together.advance([f for f, _ in accepted], [t for _, t in accepted])
+    if isinstance(together, BatchEagleDrafter):
+        assert together.valid.shape[1] < 40  # the finished row's columns were dropped
+        assert together.valid.sum(1).tolist() == [alone[r].committed for r in live]  # nothing valid lost
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "medusa"])
+def test_batched_decoding_with_batched_drafts_equals_each_prompt_alone(build_target, kind):
+    """A head module drafts every row together (`batch_draft=True`, the default): each row's reply, steps and
+    tau equal that prompt decoded alone, and equal the row-by-row drafting of the same batch."""
+    model = build_target("mistral")
+    head = _head(model, kind)
+    generator = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(1, 128, (n,), generator=generator) for n in (5, 8, 3, 6)]
+    ids, mask = left_padded(prompts, 0)
+    tree = TREES[0] if kind == "eagle3" else [(0,), (1,), (0, 0), (0, 0, 0)]
+    kwargs = {"max_new_tokens": 12, "eos_token_id": [], "tree": tree}
+    out = generate(model, ids, head, attention_mask=mask, **kwargs)
+    rowwise = generate_batch(model, ids, mask, head, batch_draft=False, **kwargs)
+    assert out.replies == rowwise.replies and out.steps == rowwise.steps
+    for row, prompt in enumerate(prompts):
+        alone = generate(model, prompt, head, max_new_tokens=12, eos_token_id=[], tree=tree)
+        assert out.replies[row] == alone.sequences[0, len(prompt) :].tolist(), f"{kind} row {row}"
+        assert out.steps[row] == alone.steps
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "medusa"])
+def test_batched_drafting_cost_is_measured_per_tree_and_batch_size(build_target, kind):
+    from decode.calibrate import measure_batch_propose_cost
+
+    model = build_target("llama")
+    head = _head(model, kind)
+    trees = [DynamicTree(2, 2, 4), DynamicTree(4, 3, 8)] if kind == "eagle3" else [build_tree([(0,), (0, 0)])]
+    context = torch.randint(1, 128, (1, 7))
+    for batch in (1, 4):
+        costs = measure_batch_propose_cost(model, head, context, batch, trees, repeats=2)
+        assert len(costs) == len(trees) and all(c > 0 for c in costs)
+    with pytest.raises(TypeError, match="has no batched drafter"):
+        measure_batch_propose_cost(model, torch.nn.Linear(2, 2), context, 2, trees)
