@@ -119,6 +119,7 @@ class TrainConfig:
     # backward (less memory, ~30% more compute); frozen passes keep none
     eval_tau_prompts: int = 0  # held-out prompts of the periodic simulated-tau eval; 0 = off
     eval_tau_new_tokens: int = 64  # new tokens per prompt in that eval (tau counts the bonus token)
+    eval_tau_batch_size: int = 1  # prompts decoded together in that eval (decode.generate.decode_prompts)
     keep_best_tau: bool = False  # also export the head of the best simulated tau so far to head_best/
     # (checkpoint selection on the held-out prompts; needs eval_tau_prompts > 0)
 
@@ -135,6 +136,7 @@ class TrainConfig:
             "gradient_accumulation_steps",
             "keep_checkpoints",
             "log_every_steps",
+            "eval_tau_batch_size",
         )
         _at_least(
             self,

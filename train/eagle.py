@@ -230,7 +230,13 @@ def main(cfg: EagleRunConfig) -> None:
             return None
         capture.__exit__(None, None, None)  # generate installs its own capture
         tau = simulated_tau(
-            target, whole, eval_set, cfg.train.eval_tau_prompts, cfg.train.eval_tau_new_tokens
+            target,
+            whole,
+            eval_set,
+            cfg.train.eval_tau_prompts,
+            cfg.train.eval_tau_new_tokens,
+            cfg.train.eval_tau_batch_size,
+            pad_id,
         )
         capture.__enter__()
         return tau

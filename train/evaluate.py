@@ -79,14 +79,21 @@ def eval_loss(
 
 @torch.no_grad()
 def simulated_tau(
-    target: nn.Module, head: nn.Module, eval_set: Dataset | None, prompts: int, new_tokens: int
+    target: nn.Module,
+    head: nn.Module,
+    eval_set: Dataset | None,
+    prompts: int,
+    new_tokens: int,
+    batch_size: int = 1,
+    pad_token_id: int = 0,
 ) -> float | None:
-    """Median tau of greedy `decode.generate` with `head` on the first held-out prompts (one process).
+    """Median tau of greedy `decode.generate` with `head` on the first held-out prompts (one process),
+    `batch_size` prompts decoded together (`decode.generate.decode_prompts`: the same tokens and steps).
 
     Each prompt is an eval row cut before its first assistant token (the head must continue a real chat).
     `head` must be whole on this process: under ZeRO-3 or FSDP pass `train.checkpoint.gather_head`'s copy.
     """
-    from decode import generate  # train -> decode is an allowed import direction; lazy to keep start-up light
+    from decode.generate import decode_prompts  # train -> decode: an allowed direction; lazy (start-up)
 
     if eval_set is None or prompts <= 0:
         return None
@@ -95,11 +102,13 @@ def simulated_tau(
     head_dtype = next(head.parameters()).dtype
     if head_dtype != target.dtype:  # decode with the head in the target's dtype, as a user would load it
         head = copy.deepcopy(head).to(target.dtype)
-    taus = []
+    ids = []
     for row in eval_set.select(range(min(prompts, len(eval_set)))):
         first = row["loss_mask"].index(1) if 1 in row["loss_mask"] else len(row["input_ids"])
-        ids = torch.tensor(row["input_ids"][:first], device=target.device)
-        if ids.numel():
-            taus.append(generate(target, ids, head, max_new_tokens=new_tokens).tau)
+        if first:
+            ids.append(torch.tensor(row["input_ids"][:first], device=target.device))
+    results = decode_prompts(
+        target, ids, head, max_new_tokens=new_tokens, batch_size=batch_size, pad_token_id=pad_token_id
+    )
     head.train(was_training)
-    return statistics.median(taus) if taus else None
+    return statistics.median(r.tau for r in results) if results else None

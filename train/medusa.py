@@ -292,7 +292,12 @@ def eval_tau(accelerator, step_module, eval_set, cfg: MedusaRunConfig, eval_copy
     # partitioned and start collectives that the other ranks never join
     with whole_on_every_rank(accelerator) if sharded else contextlib.nullcontext():
         tau = simulated_tau(
-            target, heads, eval_set, cfg.train.eval_tau_prompts, cfg.train.eval_tau_new_tokens
+            target,
+            heads,
+            eval_set,
+            cfg.train.eval_tau_prompts,
+            cfg.train.eval_tau_new_tokens,
+            cfg.train.eval_tau_batch_size,
         )
     target.train(was_training)
     return tau

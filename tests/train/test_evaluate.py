@@ -85,6 +85,10 @@ def test_simulated_tau_decodes_the_first_prompts_and_leaves_the_head_as_it_was(t
     tau = simulated_tau(target, head, eval_set, 2, 8)
     assert 1.0 <= tau <= 8.0  # at least the target's own token per pass
     assert head.training
+    prompts = min(3, len(eval_set))
+    alone = simulated_tau(target, head, eval_set, prompts, 8)
+    assert simulated_tau(target, head, eval_set, prompts, 8, batch_size=2) == pytest.approx(alone)  # batched
+    assert head.training
     bf16 = target.to(torch.bfloat16)  # the head is decoded in the target's dtype, from a copy
     assert simulated_tau(bf16, head, eval_set, 1, 4) >= 1.0
     assert next(head.parameters()).dtype == torch.float32
