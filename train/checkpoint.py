@@ -78,6 +78,7 @@ DATA_ORDER_KEYS = (
     "data.max_length",
     "data.eval_fraction",
     "data.shuffle_seed",
+    "data.group_by_length",
     "train.per_device_batch_size",
     "train.gradient_accumulation_steps",
     "train.seed",

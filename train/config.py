@@ -75,6 +75,7 @@ class DataConfig:
     max_bad_fraction: float = 0.05  # fraction of malformed / fully-masked examples tolerated before failing
     eval_fraction: float = 0.0  # held-out slice of train_files when eval_files is empty; 0 = no eval set
     shuffle_seed: int = 0  # seed of the example order and of the eval_fraction split (reproducible)
+    group_by_length: bool = False  # batches of rows of similar lengths (less padding), train/data.py
     hidden_states: str = "online"  # online: run the target every step; offline: read states from offline_dir
     offline_dir: str | None = None  # folder of precomputed target hidden states; required when offline
 

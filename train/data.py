@@ -278,6 +278,25 @@ def split_eval(dataset: Dataset, fraction: float, seed: int = 0) -> tuple[Datase
     return parts["train"], parts["test"]
 
 
+def length_grouped_order(lengths: Sequence[int], batch: int, seed: int, megabatch: int = 50) -> list[int]:
+    """An order of rows whose consecutive `batch`-sized groups hold rows of similar lengths: the rows, in
+    their given (already shuffled) order, are cut into megabatches of `megabatch` x `batch` rows, each sorted
+    by length, cut into batches, and those batches shuffled within their megabatch (seeded). Padding then
+    costs a few percent of a batch's tokens instead of a third (random batches of chats of 40-384 tokens),
+    while every row still comes once per epoch and the order still depends on the shuffle."""
+    generator = torch.Generator().manual_seed(seed)
+    size = megabatch * batch
+    order: list[int] = []
+    for start in range(0, len(lengths), size):
+        rows = sorted(range(start, min(start + size, len(lengths))), key=lambda i: -lengths[i])
+        groups = [rows[i : i + batch] for i in range(0, len(rows), batch)]
+        full = [g for g in groups if len(g) == batch]
+        for k in torch.randperm(len(full), generator=generator).tolist():
+            order += full[k]
+        order += [i for g in groups if len(g) < batch for i in g]  # the short tail batch stays last
+    return order
+
+
 def collate(rows: Sequence[dict], pad_token_id: int) -> dict[str, Tensor]:
     """Right-pad a batch of examples.
 

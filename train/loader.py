@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 
 from heads.target import load_target
 from train.config import TORCH_DTYPES, DataConfig, ModelConfig, TrainConfig
-from train.data import build_dataset, collate, split_eval
+from train.data import build_dataset, collate, length_grouped_order, split_eval
 from train.distributed import whole_on_every_rank
 
 
@@ -89,6 +89,10 @@ def epoch_loader(
     """This epoch's batches: a seeded shuffle (same order on every rank and on resume), sharded by accelerate.
     `collate_fn` replaces the default padding collate (offline hidden states build their own batches)."""
     ordered = dataset.shuffle(seed=data.shuffle_seed + epoch)
+    if data.group_by_length:  # global batches of similar lengths: each rank's batch is a slice of one
+        lengths = [len(mask) for mask in ordered["loss_mask"]]
+        global_batch = train.per_device_batch_size * accelerator.num_processes
+        ordered = ordered.select(length_grouped_order(lengths, global_batch, data.shuffle_seed + epoch))
     # Its own generator: each new iterator draws a base seed from `generator`, by default the global RNG,
     # and a resumed run starts one more iterator than an uninterrupted one: its noise would differ after it.
     loader = DataLoader(

@@ -75,3 +75,50 @@ def test_epoch_order_is_seeded_per_epoch_and_a_resumed_epoch_skips_what_was_done
     assert sorted(first) == list(range(10)) and first != list(range(10))  # shuffled, every row once
     assert order(0) == first and order(1) != first  # the same order again; another one next epoch
     assert order(0, skip=2) == first[4:]  # batches of 2: a run resumed after 2 batches sees the rest
+
+
+def test_length_grouped_order_keeps_every_row_and_cuts_padding():
+    import random
+
+    from train.data import length_grouped_order
+
+    rng = random.Random(0)
+    lengths = [rng.randint(40, 384) for _ in range(1003)]
+    order = length_grouped_order(lengths, batch=4, seed=0)
+    assert sorted(order) == list(range(1003))  # a permutation: every row once
+    assert order == length_grouped_order(lengths, 4, seed=0) and order != length_grouped_order(
+        lengths, 4, seed=1
+    )
+
+    def padding(rows: list[int]) -> float:
+        batches = [rows[i : i + 4] for i in range(0, len(rows) - 3, 4)]
+        total = sum(4 * max(lengths[i] for i in b) for b in batches)
+        return 1 - sum(lengths[i] for b in batches for i in b) / total
+
+    assert padding(list(range(1003))) > 0.25 and padding(order) < 0.03  # random batches pad a third
+    # batches never cross a megabatch (50 x 4 rows): the shuffle still decides which rows train together
+    megabatch = {i: i // 200 for i in range(1003)}
+    assert all(len({megabatch[i] for i in order[k : k + 4]}) == 1 for k in range(0, 1000, 4))
+    assert order[-3:] == sorted(order[-3:], key=lambda i: -lengths[i])  # the short tail batch comes last
+
+
+def test_group_by_length_batches_rows_of_similar_lengths_in_a_resumable_order(
+    tmp_path, overrides, fresh_accelerate
+):
+    cfg = load_config(EagleRunConfig, TINY_YAML, overrides(tmp_path, "data.group_by_length=true"))
+    accelerator = make_accelerator(cfg.train)
+    lengths = [1 + (7 * i) % 23 for i in range(40)]
+    rows = Dataset.from_dict(
+        {"input_ids": [[i] * n for i, n in enumerate(lengths)], "loss_mask": [[1] * n for n in lengths]}
+    )
+
+    def batches(skip: int = 0) -> list[list[int]]:
+        loader = epoch_loader(rows, cfg.train, cfg.data, 0, 0, accelerator, skip_batches=skip)
+        return [[int(i) for i in batch["input_ids"][:, 0]] for batch in loader]
+
+    got = batches()
+    assert sorted(i for b in got for i in b) == list(range(40)) and batches() == got and batches(3) == got[3:]
+    plain = load_config(EagleRunConfig, TINY_YAML, overrides(tmp_path)).data
+    ungrouped = epoch_loader(rows, cfg.train, plain, 0, 0, accelerator)
+    width = sum(batch["input_ids"].shape[1] for batch in ungrouped)
+    assert sum(max(lengths[i] for i in b) for b in got) < width  # less padding than the plain order
