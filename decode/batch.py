@@ -88,16 +88,24 @@ def prefill(
     mask = attention_mask.to(device=model.device, dtype=torch.long)
     if bool((mask.sum(-1) == 0).any()):
         raise ValueError("a prompt row has no tokens")
-    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-    cache = DynamicCache(config=model.config)
-    out = model(
-        input_ids=input_ids.to(model.device),
-        attention_mask=mask,
-        position_ids=position_ids,
-        cache=cache,
-        use_cache=True,
-    )
-    features = capture.features() if capture is not None else None
+    lengths = mask.sum(-1)
+    window = getattr(model.config.get_text_config(), "sliding_window", None)
+    fits = (
+        window is None or input_ids.shape[1] <= window
+    )  # a sliding layer keeps only its window: lay out as one
+    if fits and input_ids.numel() > PER_ROW_PREFILL * int(lengths.sum()):
+        cache, last, features = _prefill_rows(model, input_ids.to(model.device), lengths, capture)
+    else:
+        cache = DynamicCache(config=model.config)
+        out = model(
+            input_ids=input_ids.to(model.device),
+            attention_mask=mask,
+            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,  # the next token's logits only: not B x T x V floats
+        )
+        last, features = out.logits[:, -1], capture.features() if capture is not None else None
     valid = mask.bool()
     state = BatchState(
         cache=cache,
@@ -105,7 +113,46 @@ def prefill(
         lengths=mask.sum(-1),
         ends=torch.full((valid.shape[0],), valid.shape[1], dtype=torch.long, device=valid.device),
     )
-    return state, out.logits[:, -1], features
+    return state, last, features
+
+
+PER_ROW_PREFILL = 1.5  # prefill row by row when padding would make the batched prompt pass this much larger
+
+
+def _prefill_rows(
+    model: nn.Module, input_ids: Tensor, lengths: Tensor, capture: FeatureCapture | None
+) -> tuple[DynamicCache, Tensor, Tensor | None]:
+    """`prefill` one row at a time (each over its own tokens only, no padding), the results laid out as the
+    batched pass lays them out: the cache and the features left-padded to the batch's width. For prompts of
+    very different lengths (one long prompt in a batch of short ones): sum of the lengths instead of B x the
+    longest, and no attention over padding."""
+    batch, width = input_ids.shape
+    rows, lasts, feats = [], [], []
+    for r in range(batch):
+        n = int(lengths[r])
+        cache = DynamicCache(config=model.config)
+        out = model(
+            input_ids=input_ids[r : r + 1, width - n :], cache=cache, use_cache=True, logits_to_keep=1
+        )
+        rows.append(cache)
+        lasts.append(out.logits[0, -1])
+        if capture is not None:
+            feats.append(capture.features()[0])
+    cache = DynamicCache(config=model.config)
+    for index in range(len(rows[0].layers)):
+        parts = [(row.layers[index].keys, row.layers[index].values) for row in rows]
+        shape = (batch, *parts[0][0].shape[1:-2], width, parts[0][0].shape[-1])
+        keys = parts[0][0].new_zeros(shape)
+        values = parts[0][1].new_zeros(shape[:-1] + (parts[0][1].shape[-1],))
+        for r, (k, v) in enumerate(parts):
+            keys[r, ..., width - k.shape[-2] :, :], values[r, ..., width - v.shape[-2] :, :] = k[0], v[0]
+        cache.update(keys, values, index)
+    features = None
+    if capture is not None:
+        features = feats[0].new_zeros(batch, width, feats[0].shape[-1])
+        for r, f in enumerate(feats):
+            features[r, width - f.shape[0] :] = f
+    return cache, torch.stack(lasts), features
 
 
 def batch_tree_mask(valid: Tensor, ancestors: Tensor, dtype: torch.dtype) -> Tensor:

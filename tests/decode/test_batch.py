@@ -76,6 +76,40 @@ def test_batched_verify_equals_each_tree_alone_over_two_steps(build_target, arch
         roots = [int(trees[row].tokens[keeps[row][-1]]) for row in range(3)]  # any token serves as next root
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefill_row_by_row_lays_out_the_batched_pass(build_target, arch, monkeypatch):
+    """Prompts of very different lengths are prefilled one row at a time (no padding computed); the cache,
+    the last logits and the features equal the batched pass's, column for column."""
+    from decode import batch as batch_module
+    from heads.features import FeatureCapture
+
+    model = build_target(arch)
+    generator = torch.Generator().manual_seed(8)
+    ids, mask = left_padded([torch.randint(1, 128, (n,), generator=generator) for n in (3, 30, 7)], 0)
+    layers = (0, 1)
+    results, calls, real = {}, [], batch_module._prefill_rows
+    monkeypatch.setattr(batch_module, "_prefill_rows", lambda *a: calls.append(1) or real(*a))
+    for name, threshold in (("rows", 1.5), ("batched", 1e9)):
+        monkeypatch.setattr(batch_module, "PER_ROW_PREFILL", threshold)
+        with FeatureCapture(model, layers) as capture:
+            results[name] = prefill(model, ids, mask, capture)
+    assert calls == [1]  # 3 rows x 30 columns > 1.5 x 40 tokens: row by row; then the batched pass
+    (rows, last, feats), (batched, last_b, feats_b) = results["rows"], results["batched"]
+    torch.testing.assert_close(last, last_b, atol=1e-4, rtol=1e-4)
+    valid = mask.bool()
+    torch.testing.assert_close(feats[valid], feats_b[valid], atol=1e-4, rtol=1e-4)
+    assert torch.equal(rows.valid, batched.valid) and torch.equal(rows.lengths, batched.lengths)
+    for a, b in zip(rows.cache.layers, batched.cache.layers):
+        assert a.keys.shape == b.keys.shape
+        for r in range(3):
+            torch.testing.assert_close(
+                a.keys[r][..., valid[r], :], b.keys[r][..., valid[r], :], atol=1e-4, rtol=1e-4
+            )
+            torch.testing.assert_close(
+                a.values[r][..., valid[r], :], b.values[r][..., valid[r], :], atol=1e-4, rtol=1e-4
+            )
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])
 def test_batched_plain_decoding_equals_each_prompt_alone_and_transformers(build_target, arch):
     model = build_target(arch)
