@@ -52,7 +52,9 @@ def measured_rows(bench: dict, name: str) -> list[dict]:
     ]
 
 
-def _card(name: str, dest: Path, config: dict, dtype: str, command: str, bench: dict | None) -> str:
+def _card(
+    name: str, dest: Path, config: dict, dtype: str, command: str, bench: dict | None, notes: str | None
+) -> str:
     training = config.get("training") or {}
     data, train, head = training.get("data", {}), training.get("train", {}), config.get("head_config", {})
     mb = (dest / "model.safetensors").stat().st_size / 2**20
@@ -98,6 +100,8 @@ def _card(name: str, dest: Path, config: dict, dtype: str, command: str, bench: 
                 f"{row['prompts']} | {row['tau']:.2f} | {row['speedup']:.2f}x | "
                 f"{row['speedup_median_of_prompts']:.2f}x | {row['identical_to_plain']}/{row['prompts']} |"
             )
+    if notes:
+        lines += ["", "## Notes", "", notes.strip()]
     return "\n".join(lines) + "\n"
 
 
@@ -110,6 +114,7 @@ def ship_head(
     bench: dict | None = None,
     root: Path | None = None,
     max_mb: float = MAX_MB,
+    notes: str | None = None,
 ) -> Path:
     """Store the export `src` as the shipped head `name` of its target: weights in `dtype`, its config, the
     run's recipe config and a card. Refuses a folder that would exceed `max_mb`.
@@ -122,6 +127,7 @@ def ship_head(
         bench: a bench.json record that measured this head (its rows go on the card), or None.
         root: the pretrained folder (default: the repository's).
         max_mb: the largest weights file allowed, in MiB.
+        notes: more text for the card (what else was measured, and how).
     Returns:
         The shipped folder.
     """
@@ -142,5 +148,5 @@ def ship_head(
         raise ValueError(f"{src}: {mb:.1f} MiB in {dtype}, over the {max_mb:g} MiB a shipped head may take")
     if config.get("training"):
         write_text(dest / TRAIN_CONFIG, yaml.safe_dump(config["training"], sort_keys=False))
-    write_text(dest / CARD, _card(name, dest, read_head_config(dest), dtype, command, bench))
+    write_text(dest / CARD, _card(name, dest, read_head_config(dest), dtype, command, bench, notes))
     return dest

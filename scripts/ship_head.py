@@ -29,11 +29,18 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--bench", type=Path, default=None, help="a bench.json that measured this head")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--max-mb", type=float, default=MAX_MB)
+    parser.add_argument("--notes", default=None, help="more text for the card (other measurements)")
     args = parser.parse_args(argv)
     bench = json.loads(args.bench.read_text()) if args.bench else None
     try:
         dest = ship_head(
-            args.head, args.name, command=args.command, dtype=args.dtype, bench=bench, max_mb=args.max_mb
+            args.head,
+            args.name,
+            command=args.command,
+            dtype=args.dtype,
+            bench=bench,
+            max_mb=args.max_mb,
+            notes=args.notes,
         )
     except (ValueError, FileNotFoundError) as error:
         raise SystemExit(str(error)) from error

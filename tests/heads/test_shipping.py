@@ -130,8 +130,10 @@ def test_ship_script_then_bench_pretrained_finds_the_shipped_heads(tmp_path, tra
     ship = runpy.run_path(str(ROOT / "scripts" / "ship_head.py"))["main"]
     dest = ship(
         [str(src), "--name", "eagle3", "--command", "python train/eagle.py c.yaml", "--dtype", "fp16"]
+        + ["--notes", "chat tau 2.58 in the ablation"]
     )
     assert "shipped" in capsys.readouterr().out
+    assert (dest / CARD).read_text().endswith("## Notes\n\nchat tau 2.58 in the ablation\n")
     assert load_file(dest / "model.safetensors")["fc.weight"].dtype == torch.float16
     parse = runpy.run_path(str(ROOT / "scripts" / "bench.py"))["parse_args"]
     args = parse(["--pretrained", "--model", TARGET])
