@@ -8,7 +8,7 @@ The spec is a YAML file:
     recipe: eagle                      # train/eagle.py or train/medusa.py
     base: configs/eagle3_smollm2.yaml  # the recipe config every arm starts from
     overrides: [train.max_steps=600]   # applied to every arm (data, budget, evaluation off, ...)
-    output_dir: runs/ablation          # one folder per arm
+    output_dir: runs/ablation          # one folder per arm (~ is expanded)
     prompts: 10                        # held-out prompts per category
     new_tokens: 64
     arms:                              # name -> its own overrides; the first is the reference
@@ -79,7 +79,7 @@ def load_spec(path: str | Path) -> AblationSpec:
     return AblationSpec(
         recipe=raw["recipe"],
         base=Path(raw["base"]),
-        output_dir=Path(raw["output_dir"]),
+        output_dir=Path(raw["output_dir"]).expanduser(),
         arms={str(k): list(v) for k, v in arms.items()},
         overrides=list(raw.get("overrides") or []),
         prompts=raw.get("prompts", 10),

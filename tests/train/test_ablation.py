@@ -66,6 +66,10 @@ def test_spec_file_must_hold_every_required_key_and_a_mapping(tmp_path):
         load_spec(path)
 
 
+def test_spec_output_dir_expands_the_home_folder(tmp_path):
+    assert load_spec(_spec_file(tmp_path, output_dir="~/abl")).output_dir == Path.home() / "abl"
+
+
 def test_arm_command_puts_the_arm_after_the_common_overrides(tmp_path):
     spec = load_spec(_spec_file(tmp_path, overrides=["train.max_steps=3"], arms={"b": ["train.max_steps=5"]}))
     command = arm_command(spec, "b")
