@@ -89,10 +89,9 @@ def prefill(
     if bool((mask.sum(-1) == 0).any()):
         raise ValueError("a prompt row has no tokens")
     lengths = mask.sum(-1)
+    # a sliding-window layer keeps only its window: a batch wider than it is laid out by one batched pass
     window = getattr(model.config.get_text_config(), "sliding_window", None)
-    fits = (
-        window is None or input_ids.shape[1] <= window
-    )  # a sliding layer keeps only its window: lay out as one
+    fits = window is None or input_ids.shape[1] <= window
     if fits and input_ids.numel() > PER_ROW_PREFILL * int(lengths.sum()):
         cache, last, features = _prefill_rows(model, input_ids.to(model.device), lengths, capture)
     else:
@@ -110,7 +109,7 @@ def prefill(
     state = BatchState(
         cache=cache,
         valid=valid,
-        lengths=mask.sum(-1),
+        lengths=lengths,
         ends=torch.full((valid.shape[0],), valid.shape[1], dtype=torch.long, device=valid.device),
     )
     return state, last, features

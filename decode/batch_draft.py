@@ -57,7 +57,6 @@ class BatchEagleDrafter:
         tokens = torch.zeros(self.batch, width, dtype=torch.long, device=device)
         for b, (f, t) in enumerate(zip(features, next_tokens)):
             feats[b, : t.numel()], tokens[b, : t.numel()] = f.to(self.dtype), t
-        columns = self.valid.shape[1]
         new = torch.arange(width, device=device)
         allowed = torch.cat(
             [
@@ -76,7 +75,6 @@ class BatchEagleDrafter:
         self.valid = torch.cat([self.valid, new[None, :] < sizes[:, None]], dim=1)
         self.counts += sizes
         self.root_hidden = hidden[torch.arange(self.batch, device=device), sizes - 1]
-        assert self.valid.shape[1] == columns + width
         self._compact()
         self._start_proposal()
 

@@ -123,6 +123,18 @@ def measure_batch_verify_cost(
     return costs
 
 
+def _probe(model: nn.Module, layers, context: torch.Tensor, advance_tokens: int):
+    """What a drafting-cost measurement starts from: the target's features (T, F) over `context` (1, T), the
+    tokens after each position (T,), the greedy root (1,) on the device (as `generate` passes it) and how
+    many of the last positions each timed step takes in again."""
+    with FeatureCapture(model, layers) as capture:
+        out = model(input_ids=context, use_cache=False, logits_to_keep=1)
+        features = capture.features()[0]
+    root = out.logits[0, -1].argmax().view(1)
+    tokens = torch.cat([context[0, 1:], root])
+    return features, tokens, root, min(advance_tokens, tokens.numel())
+
+
 @torch.no_grad()
 def measure_propose_cost(
     model: nn.Module,
@@ -136,13 +148,7 @@ def measure_propose_cost(
     accepted positions (Medusa: its heads and their lm_head; EAGLE: a draft forward over them) and then
     drafting the tree (greedy), after the target prefilled `context` (1, T)."""
     drafter = make_drafter(heads, model)
-    capture = FeatureCapture(model, drafter.feature_layers)
-    with capture:
-        out = model(input_ids=context, use_cache=False, logits_to_keep=1)
-        features = capture.features()[0]
-    root = out.logits[0, -1].argmax().view(1)  # on the device, as `generate` passes it
-    tokens = torch.cat([context[0, 1:], root])
-    keep = min(advance_tokens, tokens.numel())
+    features, tokens, root, keep = _probe(model, drafter.feature_layers, context, advance_tokens)
     drafter.advance(features[:-keep], tokens[:-keep])
     vocab = model.get_output_embeddings().weight.shape[0]
 
@@ -179,13 +185,7 @@ def measure_batch_propose_cost(
     drafter = make_batch_drafter(heads, model, batch)
     if drafter is None:
         raise TypeError(f"{type(heads).__name__} has no batched drafter")
-    capture = FeatureCapture(model, drafter.feature_layers)
-    with capture:
-        out = model(input_ids=context, use_cache=False, logits_to_keep=1)
-        features = capture.features()[0]
-    root = out.logits[0, -1].argmax().view(1)
-    tokens = torch.cat([context[0, 1:], root])
-    keep = min(advance_tokens, tokens.numel())
+    features, tokens, root, keep = _probe(model, drafter.feature_layers, context, advance_tokens)
     drafter.advance([features[:-keep]] * batch, [tokens[:-keep]] * batch)
     vocab = model.get_output_embeddings().weight.shape[0]
     roots = root.expand(batch)
