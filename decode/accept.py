@@ -209,3 +209,25 @@ def accept_typical(
         final = p if final is None else torch.where(walking & ~took, p, final)
         walking = walking & took
     return path, sample(final, generator)
+
+
+def tally_ranks(
+    parents: list[int], ranks: list[int], path: list[int], accepted: list[list[int]], offered: list[list[int]]
+) -> None:
+    """Add one step's acceptance per (depth, sibling rank) to the tables (row d - 1: depth d): `offered`
+    counts the children that the accepted path's nodes (root included) offered, `accepted` the path's nodes
+    past the root. `parents`, `ranks`: the tree's, on the host; `path`: the accepted node indices, root
+    first. What `decode.sizing.rank_acceptance` pools."""
+    on_path = {node: depth for depth, node in enumerate(path)}
+    for node, (parent, rank) in enumerate(zip(parents, ranks)):
+        if node and parent in on_path:
+            _bump(offered, on_path[parent], rank)  # the child sits at depth + 1: row `depth` of the table
+    for depth, node in enumerate(path[1:]):
+        _bump(accepted, depth, ranks[node])
+
+
+def _bump(table: list[list[int]], row: int, column: int) -> None:
+    while len(table) <= row:
+        table.append([])
+    table[row] += [0] * (column + 1 - len(table[row]))
+    table[row][column] += 1

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 from transformers import DynamicCache
 
-from decode.accept import accept_greedy, accept_sampling, sample, target_probs
+from decode.accept import accept_greedy, accept_sampling, sample, tally_ranks, target_probs
 from decode.batch_draft import make_batch_drafter, propose_batch
 from decode.propose import Drafter, drafter_limits, make_drafter, propose
 from decode.timing import synchronize
@@ -261,6 +261,8 @@ class BatchOutput:
     tau: list[float]  # per row: tokens emitted per verify pass, the bonus token included
     steps: list[int]  # per row: verify passes it took part in
     accepted_per_depth: list[list[int]] = field(default_factory=list)  # per row, as GenerateOutput's
+    accepted_ranks: list[list[list[int]]] = field(default_factory=list)  # per row, as GenerateOutput's
+    offered_ranks: list[list[list[int]]] = field(default_factory=list)  # per row, as GenerateOutput's
     target_forwards: int = 0  # batched target forwards, the prefill included
     seconds: float = 0.0
 
@@ -301,7 +303,9 @@ def generate_batch(
         max_new_tokens, temperature, top_p, top_k, seed, eos_token_id: as `decode.generate`.
         tree: as `decode.generate`, or a policy: a callable from the rows still decoding to a tree or None
             (plain decoding for that step), asked every step (`decode.sizing.policy_tree` over
-            `batch_policy`'s choices), so the tree follows the batch as sequences finish.
+            `batch_policy`'s choices), so the tree follows the batch as sequences finish. A policy with an
+            `observe(accepted, offered)` method (`decode.sizing.AdaptivePolicy`) is told, after every
+            speculative step, the step's acceptance per (depth, rank) summed over its rows.
         pad_token_id: what pads the replies in `sequences`.
         batch_draft: draft every row's tree in one head forward per level (`decode.batch_draft`; EAGLE and
             Medusa heads); False drafts row by row, one drafter each (what a list of drafters always does).
@@ -366,7 +370,10 @@ def generate_batch(
 
         roots = [first(last[r]).view(1) for r in range(batch)]
         generated = [[int(root)] for root in roots]
-        stats = [{"steps": 0, "emitted": 0, "per_depth": []} for _ in range(batch)]
+        stats = [
+            {"steps": 0, "emitted": 0, "per_depth": [], "ranks": [], "offered": []} for _ in range(batch)
+        ]
+        observe = getattr(tree, "observe", None) if callable(tree) else None
         rows = [r for r in range(batch) if not (generated[r][0] in eos or max_new_tokens == 1)]
         prompt = input_ids.to(model.device)
         # what each row's drafter has yet to take in: (features, next tokens) of its accepted positions. The
@@ -422,15 +429,18 @@ def generate_batch(
             )
             forwards += 1
             keeps, alive = [], []
+            step_accepted: list[list[int]] = []  # this step's acceptance per (depth, rank), all rows
+            step_offered: list[list[int]] = []
             for i, (r, draft) in enumerate(zip(rows, trees)):
                 if temperature == 0:
                     path, bonus = accept_greedy(draft, logits[i])
                 else:
                     path, bonus = accept_sampling(draft, logits[i], temperature, top_p, top_k, generator)
-                host = torch.cat([path, bonus.view(1), draft.tokens]).tolist()
-                keep = [node for node in host[: path.numel()] if node >= 0]
-                tokens = host[path.numel() + 1 :]
-                new = [tokens[node] for node in keep[1:]] + [host[path.numel()]]
+                host = torch.cat([path, bonus.view(1), draft.tokens, draft.parents, draft.ranks]).tolist()
+                length = path.numel()
+                keep = [node for node in host[:length] if node >= 0]
+                tokens = host[length + 1 : length + 1 + size]
+                new = [tokens[node] for node in keep[1:]] + [host[length]]
                 generated[r] += new
                 stat = stats[r]
                 stat["steps"] += 1
@@ -438,6 +448,14 @@ def generate_batch(
                 for depth in range(1, len(keep)):
                     stat["per_depth"] += [0] * (depth - len(stat["per_depth"]))
                     stat["per_depth"][depth - 1] += 1
+                if size > 1:
+                    parents, ranks = (
+                        host[length + 1 + size : length + 1 + 2 * size],
+                        host[length + 1 + 2 * size :],
+                    )
+                    tally_ranks(parents, ranks, keep, stat["ranks"], stat["offered"])
+                    if observe is not None:
+                        tally_ranks(parents, ranks, keep, step_accepted, step_offered)
                 keeps.append(keep)
                 roots[r] = bonus.view(1)
                 if not (eos.intersection(new) or len(generated[r]) >= max_new_tokens):
@@ -451,6 +469,8 @@ def generate_batch(
                             )
                         )
             commit(state, keeps, size)
+            if observe is not None and size > 1:
+                observe(step_accepted, step_offered)
             if len(alive) < len(rows):
                 picked = torch.tensor(alive, dtype=torch.long, device=state.valid.device)
                 state.select(picked)
@@ -471,6 +491,8 @@ def generate_batch(
         tau=[(len(reply) - 1) / st["steps"] if st["steps"] else 1.0 for reply, st in zip(replies, stats)],
         steps=[st["steps"] for st in stats],
         accepted_per_depth=[st["per_depth"] for st in stats],
+        accepted_ranks=[st["ranks"] for st in stats],
+        offered_ranks=[st["offered"] for st in stats],
         target_forwards=forwards,
         seconds=seconds,
     )

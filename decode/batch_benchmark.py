@@ -1,12 +1,16 @@
-"""What speculation is worth at each batch size (`scripts/bench.py --batch-sizes`): per batch size B, the
-first B held-out chat prompts decoded together with plain batched decoding, with a fixed tree (the rows
-drafting together, and each row drafting on its own), and with the batch policy (`decode.sizing.batch_policy`:
-a tree per batch size, or none where speculation loses), all in one process, in a rotating order, tokens/s as
-the median of `repeats` rounds. At temperature 0 every speculative reply is compared with the plain one."""
+"""What speculation is worth at each batch size (`scripts/bench.py --batch-sizes`): the same held-out chat
+prompts decoded at every batch size B, in consecutive groups of B, with plain batched decoding, with a fixed
+tree, with the batch policy (`decode.sizing.batch_policy`: one tree per batch size from calibration, or none
+where speculation loses) and with the adaptive policy (`decode.sizing.AdaptivePolicy`: the same start, then
+following the acceptance of the batch it decodes), optionally with each row drafting alone; all in one
+process, in a rotating order, tokens/s as the median of `repeats` rounds. Decoding the same prompts at every
+B keeps the acceptance comparable across batch sizes (at B = 1 it is not one prompt's). At temperature 0
+every speculative reply is compared with the plain one."""
 
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
@@ -15,7 +19,8 @@ import torch
 from torch import nn
 
 from decode.batch import generate_batch, left_padded
-from decode.sizing import BatchChoice, policy_tree
+from decode.calibrate import BatchCalibration
+from decode.sizing import measured_batch, policy_tree
 from decode.tree import DynamicTree
 
 
@@ -33,92 +38,131 @@ def batch_benchmark(
     heads: nn.Module,
     prompts: Sequence[torch.Tensor],
     batch_sizes: Sequence[int],
-    choices: dict[int, BatchChoice],
+    calibration: BatchCalibration,
     *,
     tree=None,
     max_new_tokens: int = 64,
     repeats: int = 3,
     pad_token_id: int = 0,
+    rowwise: bool = False,
 ) -> list[dict]:
-    """One record per batch size: tokens/s of plain, fixed-tree and policy decoding (median of `repeats`
-    rounds), the speedups over plain, the policy's choice and predicted speedup, and whether every greedy
-    reply equals plain decoding's.
+    """One record per batch size: tokens/s of plain, fixed-tree, policy and adaptive-policy decoding of all
+    `prompts` in groups of B (median of `repeats` rounds), the speedups over plain, mean tau, what the
+    policies chose (and the fixed one's predicted speedup), and whether every greedy reply equals plain
+    decoding's.
 
     Args:
         model: the target.
-        heads: the draft head (one drafter per row).
-        prompts: (1, T) or (T,) prompt ids; batch size B uses the first B (there must be enough).
+        heads: the draft head.
+        prompts: (1, T) or (T,) prompt ids, decoded at every batch size (the last group may be smaller).
         batch_sizes: the B to measure.
-        choices: `decode.sizing.batch_policy`'s result (`decode.calibrate.calibrate_batches`).
+        calibration: `decode.calibrate.calibrate_batches`'s measurements.
         tree: the fixed tree (None: the head's default).
         max_new_tokens: new tokens per row.
         repeats: timing rounds (the methods rotate their order between rounds).
         pad_token_id: left padding of the prompts.
+        rowwise: also time the fixed tree with each row drafting on its own (`batch_draft=False`).
     """
-    if max(batch_sizes) > len(prompts):
-        raise ValueError(f"batch size {max(batch_sizes)} needs as many prompts; {len(prompts)} given")
+    if not prompts:
+        raise ValueError("no prompts to decode")
+    choices = calibration.choices
     records = []
     for batch in batch_sizes:
-        ids, mask = left_padded([p.reshape(-1) for p in prompts[:batch]], pad_token_id)
-        runs = {  # name -> (heads, tree, batch_draft)
-            "plain": (None, None, True),
-            "tree": (heads, tree, True),
-            "rowwise": (heads, tree, False),  # the same tree, each row drafting on its own
-            "policy": (heads, partial(policy_tree, choices), True),
+        groups = [
+            left_padded([p.reshape(-1) for p in prompts[i : i + batch]], pad_token_id)
+            for i in range(0, len(prompts), batch)
+        ]
+        runs = {  # name -> (heads, tree or a policy factory, batch_draft)
+            "plain": (None, lambda: None, True),
+            "tree": (heads, lambda: tree, True),
+            "policy": (heads, lambda: partial(policy_tree, choices), True),
+            "adaptive": (heads, calibration.adaptive, True),
         }
+        if rowwise:
+            runs["rowwise"] = (heads, lambda: tree, False)
         speeds: dict[str, list[float]] = {name: [] for name in runs}
         replies: dict[str, list[list[int]]] = {}
         taus: dict[str, float] = {}
+        adaptive_steps: Counter = Counter()
         order = list(runs)
         for round_ in range(max(repeats, 1)):
             for name in order[round_ % len(order) :] + order[: round_ % len(order)]:
-                drafts, spec, together = runs[name]
-                out = generate_batch(
-                    model, ids, mask, drafts, max_new_tokens=max_new_tokens, tree=spec, batch_draft=together
-                )
-                speeds[name].append(sum(out.new_tokens) / out.seconds)
-                replies[name] = out.replies
-                taus[name] = statistics.mean(out.tau)
+                drafts, make_spec, together = runs[name]
+                tokens, seconds, row_replies, row_taus = 0, 0.0, [], []
+                for ids, mask in groups:
+                    spec = make_spec()  # a fresh adaptive policy per group: it learns that group
+                    out = generate_batch(
+                        model,
+                        ids,
+                        mask,
+                        drafts,
+                        max_new_tokens=max_new_tokens,
+                        tree=spec,
+                        batch_draft=together,
+                    )
+                    tokens, seconds = tokens + sum(out.new_tokens), seconds + out.seconds
+                    row_replies += out.replies
+                    row_taus += out.tau
+                    if name == "adaptive" and round_ == 0:
+                        adaptive_steps.update(spec.chosen)
+                speeds[name].append(tokens / seconds)
+                replies[name] = row_replies
+                taus[name] = statistics.mean(row_taus)
         tok_s = {name: statistics.median(values) for name, values in speeds.items()}
         chosen = policy_tree(choices, batch)
-        predicted = min(choices, key=lambda b: abs(b - batch))
-        records.append(
-            {
-                "batch": batch,
-                "plain_tok_s": tok_s["plain"],
-                "tree_tok_s": tok_s["tree"],
-                "tree_speedup": tok_s["tree"] / tok_s["plain"],
-                "tree_tau": taus["tree"],
-                "rowwise_tok_s": tok_s["rowwise"],
-                "rowwise_speedup": tok_s["rowwise"] / tok_s["plain"],
-                "policy": tree_name(chosen),
-                "policy_tok_s": tok_s["policy"],
-                "policy_speedup": tok_s["policy"] / tok_s["plain"],
-                "policy_predicted_speedup": choices[predicted].speedup,
-                "identical": all(replies[name] == replies["plain"] for name in ("tree", "rowwise", "policy")),
-            }
-        )
+        steps = sum(adaptive_steps.values())
+        record = {
+            "batch": batch,
+            "prompts": len(prompts),
+            "plain_tok_s": tok_s["plain"],
+            "tree_tok_s": tok_s["tree"],
+            "tree_speedup": tok_s["tree"] / tok_s["plain"],
+            "tree_tau": taus["tree"],
+            "policy": tree_name(chosen),
+            "policy_tok_s": tok_s["policy"],
+            "policy_speedup": tok_s["policy"] / tok_s["plain"],
+            "policy_predicted_speedup": choices[measured_batch(list(choices), batch)].speedup,
+            "adaptive_tok_s": tok_s["adaptive"],
+            "adaptive_speedup": tok_s["adaptive"] / tok_s["plain"],
+            "adaptive_tau": taus["adaptive"],
+            # share of the adaptive policy's steps that speculated, and the tree it used most
+            "adaptive_speculated": 1 - adaptive_steps[None] / steps if steps else 0.0,
+            "adaptive_tree": tree_name(
+                max((t for t in adaptive_steps if t is not None), key=adaptive_steps.get, default=None)
+            ),
+            "identical": all(replies[name] == replies["plain"] for name in runs),
+        }
+        if rowwise:
+            record["rowwise_tok_s"] = tok_s["rowwise"]
+            record["rowwise_speedup"] = tok_s["rowwise"] / tok_s["plain"]
+        records.append(record)
     return records
 
 
 def render_batch(records: list[dict], tree) -> str:
     """The markdown table of `batch_benchmark`'s records."""
     fixed = tree_name(tree) if tree is not None else "default"  # None: the head's default tree, not plain
-    header = (
-        f"| batch | plain tok/s | tree {fixed} tok/s | speedup | tau | rows drafting alone | "
-        "policy | policy tok/s | speedup | predicted | same as plain |"
+    rowwise = any("rowwise_speedup" in r for r in records)
+    header = f"| batch | prompts | plain tok/s | tree {fixed} tok/s | speedup | tau |"
+    header += " rows drafting alone |" if rowwise else ""
+    header += (
+        " policy | policy tok/s | speedup | predicted | adaptive tok/s | speedup | speculated steps (tree) | "
+        "same as plain |"
     )
-    lines = [
-        header,
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    lines = [header, "|" + "---|" * header.count(" |")]
     for r in records:
-        lines.append(
-            f"| {r['batch']} | {r['plain_tok_s']:.1f} | {r['tree_tok_s']:.1f} | {r['tree_speedup']:.2f}x | "
-            f"{r['tree_tau']:.2f} | {r['rowwise_speedup']:.2f}x | {r['policy']} | {r['policy_tok_s']:.1f} | "
-            f"{r['policy_speedup']:.2f}x | "
-            f"{r['policy_predicted_speedup']:.2f}x | {'yes' if r['identical'] else 'NO'} |"
+        line = (
+            f"| {r['batch']} | {r['prompts']} | {r['plain_tok_s']:.1f} | {r['tree_tok_s']:.1f} | "
+            f"{r['tree_speedup']:.2f}x | {r['tree_tau']:.2f} |"
         )
+        line += f" {r['rowwise_speedup']:.2f}x |" if rowwise else ""
+        line += (
+            f" {r['policy']} | {r['policy_tok_s']:.1f} | {r['policy_speedup']:.2f}x | "
+            f"{r['policy_predicted_speedup']:.2f}x | {r['adaptive_tok_s']:.1f} | "
+            f"{r['adaptive_speedup']:.2f}x | "
+            f"{r['adaptive_speculated']:.0%} ({r['adaptive_tree']}) | {'yes' if r['identical'] else 'NO'} |"
+        )
+        lines.append(line)
     return "\n".join(lines) + "\n"
 
 
@@ -134,6 +178,7 @@ def plot_batch(records: list[dict], out: Path) -> Path:
     figure, axes = plt.subplots(figsize=(5, 3.5))
     axes.plot(sizes, [r["tree_speedup"] for r in records], "o-", label="fixed tree")
     axes.plot(sizes, [r["policy_speedup"] for r in records], "s-", label="policy")
+    axes.plot(sizes, [r["adaptive_speedup"] for r in records], "^-", label="adaptive policy")
     axes.axhline(1.0, color="grey", linestyle="--", linewidth=1)
     axes.set_xscale("log", base=2)
     axes.set_xlabel("batch size")

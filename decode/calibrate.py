@@ -5,6 +5,7 @@ tree size, the drafter's cost per tree, and acceptance per (depth, rank) from de
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -14,13 +15,14 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from decode.batch import commit, prefill, verify_batch
+from decode.batch import commit, generate_batch, left_padded, prefill, verify_batch
 from decode.batch_draft import make_batch_drafter, propose_batch
 from decode.generate import generate
 from decode.layout import can_pack, is_pretransposed, pack_linears, packed_rows
 from decode.prepare import head_rows
 from decode.propose import make_drafter, propose
 from decode.sizing import (
+    AdaptivePolicy,
     BatchChoice,
     Candidate,
     batch_policy,
@@ -284,17 +286,34 @@ def calibrate(
 
 
 def _draft_model(
-    model, heads, prompts, max_new_tokens, max_size, max_depth, max_top_k, repeats, measure=True
+    model,
+    heads,
+    prompts,
+    max_new_tokens,
+    max_size,
+    max_depth,
+    max_top_k,
+    repeats,
+    measure=True,
+    probe_batch_size=1,
 ):
-    """Steps 1 and 3 of `calibrate`: acceptance per (depth, rank) from probe decoding, the drafting cost per
-    tree shape (one row; not measured when `measure` is False), and the search grid (budgets below
+    """Steps 1 and 3 of `calibrate`: acceptance per (depth, rank) from probe decoding (`probe_batch_size`
+    prompts at a time: at T=0 every row decodes as it would alone, so the counts are the same), the drafting
+    cost per tree shape (one row; not measured when `measure` is False), and the search grid (budgets below
     `max_size`)."""
     eagle = isinstance(heads, EagleHead)
     if eagle:
         probe: TreeBuffers | DynamicTree = DynamicTree(depth=max_depth, top_k=max_top_k, total_tokens=48)
     else:
         probe = build_tree([(0,) * d + (r,) for d in range(heads.config.num_heads) for r in range(max_top_k)])
-    runs = [generate(model, ids, heads, max_new_tokens=max_new_tokens, tree=probe) for ids in prompts]
+    runs: list = []
+    for start in range(0, len(prompts), max(probe_batch_size, 1)):
+        chunk = [ids.reshape(-1) for ids in prompts[start : start + max(probe_batch_size, 1)]]
+        if len(chunk) == 1:
+            runs.append(generate(model, chunk[0], heads, max_new_tokens=max_new_tokens, tree=probe))
+        else:
+            ids, mask = left_padded(chunk, 0)
+            runs.append(generate_batch(model, ids, mask, heads, max_new_tokens=max_new_tokens, tree=probe))
     acceptance = rank_acceptance(runs)
     context = prompts[0]
 
@@ -322,6 +341,33 @@ def _draft_model(
     return acceptance, propose_cost, measure_propose, grid
 
 
+@dataclass
+class BatchCalibration:
+    """What `calibrate_batches` measured: acceptance, C_T(B, n), drafting costs per (B, tree shape), and the
+    policies they give."""
+
+    acceptance: list[list[float]]  # a[d-1][r], from `rank_acceptance`
+    verify_cost: dict[
+        int, dict[int, float]
+    ]  # {B: {n: seconds of one verify forward over B rows of n tokens}}
+    drafting: dict[int, dict[tuple[int, int], float]]  # {B: {(depth, top_k): seconds}}; Medusa: key (0, 0)
+    grid: dict  # the search grid: dynamic, budgets, depths, top_ks
+
+    def propose_cost(self, batch: int, n: int, d: int, k: int) -> float:
+        return self.drafting[batch][(d, k) if self.grid["dynamic"] else (0, 0)]
+
+    @functools.cached_property
+    def choices(self) -> dict[int, BatchChoice]:
+        """Per measured batch size, the best tree or plain decoding (`decode.sizing.batch_policy`);
+        `functools.partial(decode.sizing.policy_tree, choices)` is the fixed per-step policy."""
+        return batch_policy(self.acceptance, self.verify_cost, self.propose_cost, **self.grid)
+
+    def adaptive(self, **kwargs) -> AdaptivePolicy:
+        """A fresh `decode.sizing.AdaptivePolicy` from these measurements (one per decode: it learns its
+        batch); `kwargs`: its prior_weight, decay, refit_every, probe_every."""
+        return AdaptivePolicy(self.acceptance, self.verify_cost, self.propose_cost, **self.grid, **kwargs)
+
+
 @torch.no_grad()
 def calibrate_batches(
     model: nn.Module,
@@ -334,14 +380,26 @@ def calibrate_batches(
     max_depth: int = 6,
     max_top_k: int = 4,
     repeats: int = 3,
-) -> dict[int, BatchChoice]:
-    """`calibrate` with the batch dimension: acceptance and drafting costs as there, C_T(B, n) measured per
-    batch size (`measure_batch_verify_cost`), then per batch size the best tree or plain decoding
-    (`decode.sizing.batch_policy`; `decode.sizing.policy_tree` turns the result into a per-step policy)."""
+    probe_batch_size: int = 8,
+) -> BatchCalibration:
+    """`calibrate` with the batch dimension: acceptance as there (the probe prompts decoded
+    `probe_batch_size` at a time), C_T(B, n) measured per batch size (`measure_batch_verify_cost`), and the
+    drafting cost of B rows drafting together per tree shape (`measure_batch_propose_cost`). Its `choices` are
+    `decode.sizing.batch_policy`'s pick per batch size; `adaptive()` makes a policy that also follows the
+    acceptance of the batch it decodes."""
     if 1 not in verify_sizes:
         raise ValueError(f"verify_sizes must include 1 (plain decoding's cost), got {list(verify_sizes)}")
     acceptance, _, _, grid = _draft_model(
-        model, heads, prompts, max_new_tokens, max(verify_sizes), max_depth, max_top_k, repeats, measure=False
+        model,
+        heads,
+        prompts,
+        max_new_tokens,
+        max(verify_sizes),
+        max_depth,
+        max_top_k,
+        repeats,
+        measure=False,
+        probe_batch_size=probe_batch_size,
     )
     costs = measure_batch_verify_cost(model, prompts[0], batch_sizes, verify_sizes, repeats)
     # drafting cost per batch size and tree shape, the rows drafting together as `generate_batch` drafts them
@@ -355,8 +413,4 @@ def calibrate_batches(
         b: dict(zip(shapes, measure_batch_propose_cost(model, heads, prompts[0], b, trees, repeats)))
         for b in batch_sizes
     }
-
-    def propose_cost(batch: int, n: int, d: int, k: int) -> float:
-        return drafting[batch][(d, k) if grid["dynamic"] else (0, 0)]
-
-    return batch_policy(acceptance, costs, propose_cost, **grid)
+    return BatchCalibration(acceptance, costs, drafting, grid)

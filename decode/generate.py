@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 from transformers import DynamicCache
 
-from decode.accept import accept_greedy, accept_sampling, accept_typical, sample, target_probs
+from decode.accept import accept_greedy, accept_sampling, accept_typical, sample, tally_ranks, target_probs
 from decode.batch import BatchOutput, generate_batch, left_padded, stop_tokens, truncate_at_stop
 from decode.propose import drafter_limits, float_dtype, make_drafter, propose
 from decode.timing import synchronize
@@ -205,15 +205,10 @@ def generate(
             parents, ranks = host[size + 1 + nodes : size + 1 + 2 * nodes], host[size + 1 + 2 * nodes :]
             steps += 1
             drafted += nodes - 1
-            _count_offered(parents, ranks, keep, offered)
+            tally_ranks(parents, ranks, keep, per_rank, offered)
             for depth in range(1, len(keep)):
-                if len(per_depth) < depth:
-                    per_depth.append(0)
-                    per_rank.append([])
+                per_depth += [0] * (depth - len(per_depth))
                 per_depth[depth - 1] += 1
-                rank = ranks[keep[depth]]
-                per_rank[depth - 1] += [0] * (rank + 1 - len(per_rank[depth - 1]))
-                per_rank[depth - 1][rank] += 1
             kept = path[: len(keep)]  # the accepted nodes as a device index: no upload
             compact_cache(cache, past, keep, kept)
             past += len(keep)
@@ -283,15 +278,3 @@ def decode_prompts(
         out = generate(model, ids, heads, max_new_tokens=max_new_tokens, attention_mask=mask, **kwargs)
         results += [PromptResult(r, s, t) for r, s, t in zip(out.replies, out.steps, out.tau)]
     return results
-
-
-def _count_offered(parents: list[int], ranks: list[int], path: list[int], offered: list[list[int]]) -> None:
-    """Add, per depth and rank, the children that the accepted path's nodes (root included) offered."""
-    on_path = {node: depth for depth, node in enumerate(path)}
-    for node, (parent, rank) in enumerate(zip(parents, ranks)):
-        if node and parent in on_path:
-            depth = on_path[parent]  # the child sits at depth + 1: row `depth` of the table
-            while len(offered) <= depth:
-                offered.append([])
-            offered[depth] += [0] * (rank + 1 - len(offered[depth]))
-            offered[depth][rank] += 1

@@ -20,24 +20,33 @@ approximate.
 from __future__ import annotations
 
 import heapq
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from decode.batch import BatchOutput
 from decode.tree import DynamicTree
 
 if TYPE_CHECKING:
     from decode.generate import GenerateOutput
 
 
-def rank_acceptance(outputs: Sequence[GenerateOutput]) -> list[list[float]]:
+def rank_acceptance(outputs: Sequence[GenerateOutput | BatchOutput]) -> list[list[float]]:
     """a[d-1][r]: P(the target takes the rank-r child at depth d | the parent at depth d - 1 was accepted and
-    offered a rank-r child), pooled over all runs: `accepted_ranks` / `offered_ranks`. Ranks or depths that
-    the measured trees never offered have no estimate and are absent (a wide, deep probe tree avoids that)."""
+    offered a rank-r child), pooled over all runs (a batched run counts each of its rows): `accepted_ranks` /
+    `offered_ranks`. Ranks or depths that the measured trees never offered have no estimate and are absent (a
+    wide, deep probe tree avoids that)."""
     accepted: list[list[int]] = []
     offered: list[list[int]] = []
+    tables = []
     for out in outputs:
-        for table, counts in ((accepted, out.accepted_ranks), (offered, out.offered_ranks)):
+        if isinstance(out, BatchOutput):
+            tables += zip(out.accepted_ranks, out.offered_ranks)
+        else:
+            tables.append((out.accepted_ranks, out.offered_ranks))
+    for row_accepted, row_offered in tables:
+        for table, counts in ((accepted, row_accepted), (offered, row_offered)):
             for depth, ranks in enumerate(counts):
                 while len(table) <= depth:
                     table.append([])
@@ -51,6 +60,40 @@ def rank_acceptance(outputs: Sequence[GenerateOutput]) -> list[list[float]]:
         ]
         for d, row in enumerate(offered)
     ]
+
+
+def _pop_order(
+    acceptance: Sequence[Sequence[float]],
+    budget: int,
+    max_depth: int | None,
+    top_k: int | None,
+    expand_per_level: int | None,
+) -> list[tuple[tuple[int, ...], float]]:
+    """The nodes best-first search takes, in the order it takes them, with their probabilities: (rank path,
+    P(node)). The order does not depend on the budget, so the best tree of n nodes is the first n of them."""
+    if budget < 0:
+        raise ValueError(f"budget must be >= 0, got {budget}")
+    depth_limit = min(len(acceptance), max_depth if max_depth is not None else len(acceptance))
+    heap: list[tuple[float, tuple[int, ...], float]] = []  # (-P(node), path, P(parent))
+
+    def push(path: tuple[int, ...], parent_probability: float) -> None:
+        rates, rank = acceptance[len(path) - 1], path[-1]
+        if rank < len(rates) and (top_k is None or rank < top_k) and rates[rank] > 0:
+            heapq.heappush(heap, (-parent_probability * rates[rank], path, parent_probability))
+
+    if depth_limit > 0:
+        push((0,), 1.0)
+    expanded = [0] * depth_limit  # nodes per level that have been given children
+    taken: list[tuple[tuple[int, ...], float]] = []
+    while heap and len(taken) < budget:
+        negative, path, parent_probability = heapq.heappop(heap)
+        taken.append((path, -negative))
+        push((*path[:-1], path[-1] + 1), parent_probability)
+        level = len(path) - 1
+        if len(path) < depth_limit and (expand_per_level is None or expanded[level] < expand_per_level):
+            expanded[level] += 1
+            push((*path, 0), -negative)
+    return taken
 
 
 def best_tree(
@@ -75,30 +118,9 @@ def best_tree(
     Returns:
         (E[tokens per step] including the bonus token, rank paths sorted by depth then ranks).
     """
-    if budget < 0:
-        raise ValueError(f"budget must be >= 0, got {budget}")
-    depth_limit = min(len(acceptance), max_depth if max_depth is not None else len(acceptance))
-    heap: list[tuple[float, tuple[int, ...], float]] = []  # (-P(node), path, P(parent))
-
-    def push(path: tuple[int, ...], parent_probability: float) -> None:
-        rates, rank = acceptance[len(path) - 1], path[-1]
-        if rank < len(rates) and (top_k is None or rank < top_k) and rates[rank] > 0:
-            heapq.heappush(heap, (-parent_probability * rates[rank], path, parent_probability))
-
-    if depth_limit > 0:
-        push((0,), 1.0)
-    expanded = [0] * depth_limit  # nodes per level that have been given children
-    chosen, expected = [], 1.0
-    while heap and len(chosen) < budget:
-        negative, path, parent_probability = heapq.heappop(heap)
-        chosen.append(path)
-        expected -= negative
-        push((*path[:-1], path[-1] + 1), parent_probability)
-        level = len(path) - 1
-        if len(path) < depth_limit and (expand_per_level is None or expanded[level] < expand_per_level):
-            expanded[level] += 1
-            push((*path, 0), -negative)
-    return expected, sorted(chosen, key=lambda p: (len(p), p))
+    taken = _pop_order(acceptance, budget, max_depth, top_k, expand_per_level)
+    expected = 1.0 + sum(probability for _, probability in taken)
+    return expected, sorted((path for path, _ in taken), key=lambda p: (len(p), p))
 
 
 def interpolate(costs: dict[int, float], n: int) -> float:
@@ -150,26 +172,33 @@ def size_tree(
         budgets, depths, top_ks: the grid searched.
     """
     candidates = []
+    searched = set(budgets)
+    wanted = sorted(searched)
     for depth in depths:
         for top_k in top_ks:
-            for budget in budgets:
-                expected, paths = best_tree(acceptance, budget, depth, top_k, top_k if dynamic else None)
-                if not paths:
-                    continue
-                used_depth = max(len(p) for p in paths)
-                used_k = 1 + max(max(p) for p in paths)
-                if (used_depth, used_k, len(paths)) != (depth, top_k, budget):
-                    continue  # the same tree as a smaller candidate: keep one copy
-                tree = DynamicTree(depth, top_k, budget) if dynamic else tuple(paths)
+            # one best-first search per shape: the best tree of n nodes is its first n nodes
+            taken = _pop_order(
+                acceptance, wanted[-1] if wanted else 0, depth, top_k, top_k if dynamic else None
+            )
+            expected, used_depth, used_k = 1.0, 0, 0
+            for count, (path, probability) in enumerate(taken, 1):
+                expected += probability
+                used_depth, used_k = max(used_depth, len(path)), max(used_k, path[-1] + 1)
+                if count not in searched or (used_depth, used_k) != (depth, top_k):
+                    continue  # not searched, or the same tree as a smaller candidate: keep one copy
+                if dynamic:
+                    tree = DynamicTree(depth, top_k, count)
+                else:
+                    tree = tuple(sorted((p for p, _ in taken[:count]), key=lambda p: (len(p), p)))
                 candidates.append(
                     Candidate(
                         tree,
-                        budget,
+                        count,
                         depth,
                         top_k,
                         expected,
-                        interpolate(verify_cost, budget + 1),
-                        propose_cost(budget, depth, top_k),
+                        interpolate(verify_cost, count + 1),
+                        propose_cost(count, depth, top_k),
                     )
                 )
     return sorted(candidates, key=lambda c: -c.tokens_per_second)
@@ -254,11 +283,135 @@ def batch_policy(
     return choices
 
 
-def policy_tree(choices: dict[int, BatchChoice], batch: int):
-    """The tree `batch_policy` chose for `batch` rows (None: plain): the nearest measured batch size at or
-    below it (the smallest measured one below all of them)."""
-    if not choices:
+def measured_batch(sizes: Sequence[int], batch: int) -> int:
+    """The measured batch size that stands for `batch` rows: the nearest at or below it (the smallest
+    measured one below all of them)."""
+    if not sizes:
         raise ValueError("no batch sizes were measured")
-    sizes = sorted(choices)
-    below = [b for b in sizes if b <= batch]
-    return choices[below[-1] if below else sizes[0]].tree
+    below = [b for b in sorted(sizes) if b <= batch]
+    return below[-1] if below else min(sizes)
+
+
+def policy_tree(choices: dict[int, BatchChoice], batch: int):
+    """The tree `batch_policy` chose for `batch` rows (None: plain), at `measured_batch`'s size."""
+    return choices[measured_batch(list(choices), batch)].tree
+
+
+class AdaptivePolicy:
+    """A batch policy (`generate_batch(..., tree=policy)`) that follows the acceptance of its own batch.
+
+    `batch_policy` fixes one tree per batch size from the acceptance measured on calibration prompts; a batch
+    whose prompts the draft predicts worse (or better) gets the wrong tree, and where speculation loses for
+    that batch it still speculates. This policy starts from the calibrated rates and re-estimates them from
+    what its own batch accepts: after each speculative step `generate_batch` calls `observe` with the step's
+    counts per (depth, rank) summed over its rows, and the policy re-picks the tree for the rows still
+    decoding (or none) every `refit_every` observed steps, with the same cost tables.
+
+    Estimate per (depth, rank): (prior_weight x a0 + accepted) / (prior_weight + offered), where a0 is the
+    calibrated rate and the observed counts decay by `decay` per step (the estimate follows the batch as rows
+    finish and others remain). Cells the trees in use never offered keep a0 (they still count through their
+    ancestors' observed rates). While the policy decodes plainly it observes nothing, so every
+    `probe_every`-th plain step it speculates with the best tree it knows (a probe: it may cost a little, and
+    it is how a batch that turned predictable gets speculation back).
+
+    Args:
+        acceptance: a0[d-1][r], the calibrated rates (`rank_acceptance`).
+        verify_cost, propose_cost, dynamic, budgets, depths, top_ks: as `batch_policy`.
+        prior_weight: offers the calibrated rate counts as, per cell.
+        decay: weight of the past per observed step (1: never forget).
+        refit_every: observed steps between re-picks of the tree.
+        probe_every: plain steps between probes (0: never probe).
+    """
+
+    def __init__(
+        self,
+        acceptance: Sequence[Sequence[float]],
+        verify_cost: dict[int, dict[int, float]],
+        propose_cost: Callable[[int, int, int, int], float],
+        *,
+        dynamic: bool,
+        budgets: Sequence[int],
+        depths: Sequence[int],
+        top_ks: Sequence[int],
+        prior_weight: float = 16.0,
+        decay: float = 0.9,
+        refit_every: int = 2,
+        probe_every: int = 16,
+    ) -> None:
+        if prior_weight <= 0:
+            raise ValueError(f"prior_weight must be > 0, got {prior_weight}")
+        if not 0 < decay <= 1:
+            raise ValueError(f"decay must be in (0, 1], got {decay}")
+        if refit_every < 1 or probe_every < 0:
+            raise ValueError(
+                f"refit_every must be >= 1 and probe_every >= 0, got {refit_every}, {probe_every}"
+            )
+        for batch, costs in verify_cost.items():
+            if 1 not in costs:
+                raise ValueError(
+                    f"batch {batch}: no plain-decoding cost (n = 1) among the measured sizes {costs}"
+                )
+        self.prior = [list(map(float, row)) for row in acceptance]
+        self.verify_cost, self.propose_cost = verify_cost, propose_cost
+        self.grid = {"dynamic": dynamic, "budgets": budgets, "depths": depths, "top_ks": top_ks}
+        self.prior_weight, self.decay = prior_weight, decay
+        self.refit_every, self.probe_every = refit_every, probe_every
+        self.accepted = [[0.0] * len(row) for row in self.prior]
+        self.offered = [[0.0] * len(row) for row in self.prior]
+        self.choices: dict[int, BatchChoice] = {}  # per measured batch size, under the current estimate
+        self.since_refit = 0
+        self.plain_steps = 0
+        self.chosen: Counter = Counter()  # steps per tree handed out (None: plain), probes included
+
+    def rates(self) -> list[list[float]]:
+        """The current estimate a[d-1][r]."""
+        w = self.prior_weight
+        return [
+            [(w * a0 + acc) / (w + off) for a0, acc, off in zip(prior, accepted, offered)]
+            for prior, accepted, offered in zip(self.prior, self.accepted, self.offered)
+        ]
+
+    def observe(self, accepted: Sequence[Sequence[int]], offered: Sequence[Sequence[int]]) -> None:
+        """One speculative step's counts per (depth, rank), summed over the batch's rows (`tally_ranks`)."""
+        for table in (self.accepted, self.offered):
+            for row in table:
+                row[:] = [value * self.decay for value in row]
+        for table, counts in ((self.accepted, accepted), (self.offered, offered)):
+            for d, row in enumerate(counts[: len(table)]):
+                for r, count in enumerate(row[: len(table[d])]):
+                    table[d][r] += count
+        self.since_refit += 1
+        if self.since_refit >= self.refit_every:
+            self.choices.clear()  # re-picked when next asked
+
+    def choice(self, rows: int) -> BatchChoice:
+        """What the current estimate picks for `rows` rows (the nearest measured batch size at or below)."""
+        batch = measured_batch(list(self.verify_cost), rows)
+        if batch not in self.choices:
+            self.since_refit = 0
+            picked = batch_policy(
+                self.rates(), {batch: self.verify_cost[batch]}, self.propose_cost, **self.grid
+            )[batch]
+            self.choices[batch] = picked
+        return self.choices[batch]
+
+    def __call__(self, rows: int):
+        picked = self.choice(rows)
+        tree = picked.tree
+        if tree is None:
+            self.plain_steps += 1
+            if self.probe_every and self.plain_steps % self.probe_every == 0:
+                tree = self._best_candidate(rows)
+        self.chosen[tree] += 1
+        return tree
+
+    def _best_candidate(self, rows: int):
+        """The tree the estimate rates best at `rows` rows even though plain decoding beats it (a probe)."""
+        batch = measured_batch(list(self.verify_cost), rows)
+        candidates = size_tree(
+            self.rates(),
+            self.verify_cost[batch],
+            lambda n, d, k: self.propose_cost(batch, n, d, k),
+            **self.grid,
+        )
+        return candidates[0].tree if candidates else None

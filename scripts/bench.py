@@ -95,11 +95,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="the default (older commands)",
     )
     batches = (
-        "instead of the per-prompt benchmark: batched decoding of the first B chat prompts at each batch "
-        "size B, plain vs a fixed tree vs the batch-size policy (calibrated here), with the EAGLE-3 head "
-        "(else Medusa-1)"
+        "instead of the per-prompt benchmark: batched decoding of the same held-out chat prompts in groups "
+        "of B at each batch size B, plain vs a fixed tree vs the batch-size policy and the adaptive policy "
+        "(calibrated here), with the EAGLE-3 head (else Medusa-1)"
     )
     add("--batch-sizes", type=int, nargs="+", default=None, metavar="B", help=batches)
+    add(
+        "--batch-prompts", type=int, default=None, help="chat prompts per batch size (default: the largest B)"
+    )
+    add("--batch-rowwise", action="store_true", help="also time the fixed tree with each row drafting alone")
     add("--out", type=Path, default=Path("results/bench"))
     args = parser.parse_args(argv)
     if args.pretrained:
@@ -161,12 +165,14 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def batched(args: argparse.Namespace, model, tokenizer, argv: list[str] | None) -> dict:
-    """--batch-sizes: calibrate the batch-size policy on the calibration prompts, then time plain, fixed-tree
-    and policy decoding of the first B chat prompts at each B (decode.batch_benchmark)."""
+    """--batch-sizes: calibrate the batch-size policies on the calibration prompts, then time plain,
+    fixed-tree and policy decoding of the same chat prompts in groups of B at each B
+    (decode.batch_benchmark)."""
     head = load_heads(args.eagle3 or args.medusa1, target=model)
-    prompts, calibration = load_prompts(DATA, max(args.batch_sizes), max(args.calibration_prompts, 1))
+    count = args.batch_prompts or max(args.batch_sizes)
+    prompts, calibration = load_prompts(DATA, count, max(args.calibration_prompts, 1))
     ids = [prompt_ids(tokenizer, row) for row in prompts["chat"]]
-    choices = calibrate_batches(
+    measured = calibrate_batches(
         model,
         head,
         [prompt_ids(tokenizer, row) for row in calibration],
@@ -181,11 +187,12 @@ def batched(args: argparse.Namespace, model, tokenizer, argv: list[str] | None) 
         head,
         ids,
         args.batch_sizes,
-        choices,
+        measured,
         tree=tree,
         max_new_tokens=args.max_new_tokens,
         repeats=args.repeats,
         pad_token_id=pad,
+        rowwise=args.batch_rowwise,
     )
     results = {
         "command": "python scripts/bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),

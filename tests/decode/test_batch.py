@@ -178,6 +178,8 @@ def test_batched_speculation_with_a_real_head_equals_plain_and_batch_one(build_t
         alone = generate(model, prompt, head, max_new_tokens=10, eos_token_id=[])
         assert out.replies[row] == alone.sequences[0, len(prompt) :].tolist()
         assert out.tau[row] == pytest.approx(alone.tau) and out.steps[row] == alone.steps
+        assert out.accepted_ranks[row] == alone.accepted_ranks
+        assert out.offered_ranks[row] == alone.offered_ranks and sum(alone.offered_ranks[0]) > 0
 
 
 def test_rows_that_stop_leave_the_batch(build_target):
@@ -278,3 +280,52 @@ def test_batch_verify_costs_are_measured_per_batch_size_and_leave_no_trace(build
     costs = measure_batch_verify_cost(model, torch.randint(0, 128, (1, 6)), [1, 3], [1, 4], repeats=1)
     assert sorted(costs) == [1, 3] and all(sorted(c) == [1, 4] for c in costs.values())
     assert all(c[1] <= c[4] and c[1] > 0 for c in costs.values())  # made non-decreasing in n
+
+
+def test_an_adaptive_policy_sees_every_rows_acceptance_and_turns_speculation_off(build_target):
+    """A random EAGLE-3 head (it drafts almost nothing the target takes) under an `AdaptivePolicy` calibrated
+    as if it drafted well: the policy starts with a tree, is told each step's counts (summed, they are the
+    rows' own), switches to plain steps, probes, and the replies stay plain decoding's."""
+    from decode.sizing import AdaptivePolicy
+
+    model = build_target("mistral")
+    torch.manual_seed(3)
+    head = EagleHead(EagleConfig.from_target(model.config, "eagle3")).eval()
+    generator = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(1, 128, (n,), generator=generator) for n in (5, 3, 8)]
+    ids, mask = left_padded(prompts, 0)
+    flat = {n: 0.01 for n in (1, 2, 4, 8)}
+    policy = AdaptivePolicy(
+        [[0.9, 0.5], [0.9, 0.5], [0.9]],
+        {1: flat},
+        lambda b, n, d, k: 0.002 * d,
+        dynamic=True,
+        budgets=range(1, 8),
+        depths=[1, 2, 3],
+        top_ks=[1, 2],
+        prior_weight=1.0,
+        decay=1.0,
+        refit_every=1,
+        probe_every=4,
+    )
+    seen = []
+    observe = policy.observe
+    policy.observe = lambda accepted, offered: (seen.append((accepted, offered)), observe(accepted, offered))
+    out = generate_batch(model, ids, mask, head, max_new_tokens=24, eos_token_id=[], tree=policy)
+    plain = generate_batch(model, ids, mask, None, max_new_tokens=24, eos_token_id=[])
+    assert out.replies == plain.replies
+    assert policy.chosen[None] >= 8 and sum(t is not None for t in policy.chosen.elements()) >= 3
+    assert len(seen) == sum(t is not None for t in policy.chosen.elements())  # one call per drafted step
+    assert _pooled([o for _, o in seen]) == _pooled(out.offered_ranks) and _pooled(out.offered_ranks)
+    assert _pooled([a for a, _ in seen]) == _pooled(out.accepted_ranks)
+
+
+def _pooled(tables: list[list[list[int]]]) -> dict[tuple[int, int], int]:
+    """Counts per (depth, rank) summed over tables (zeros left out)."""
+    total: dict[tuple[int, int], int] = {}
+    for table in tables:
+        for d, row in enumerate(table):
+            for r, count in enumerate(row):
+                if count:
+                    total[d, r] = total.get((d, r), 0) + count
+    return total

@@ -173,8 +173,9 @@ def test_bench_medusa1_tree_needs_the_sizing(tmp_path, head_dirs, capsys):
 def test_bench_batch_sizes_compares_plain_tree_and_policy_per_batch(
     tmp_path, tiny_target_dir, head_dirs, capsys
 ):
-    """--batch-sizes: the first B chat prompts decoded together at B = 1 and 3, plain vs a fixed tree vs the
-    calibrated policy: a table, JSON and the plot; every greedy reply equals plain decoding's."""
+    """--batch-sizes: the same 4 chat prompts decoded in groups of B = 1 and 3 (3 + 1), plain vs a fixed tree
+    vs the calibrated and the adaptive policy (and rows drafting alone): a table, JSON and the plot; every
+    greedy reply equals plain decoding's."""
     bench = runpy.run_path(str(SCRIPT))
     out = tmp_path / "batch"
     args = [
@@ -187,11 +188,15 @@ def test_bench_batch_sizes_compares_plain_tree_and_policy_per_batch(
         "3",
     ]
     args += ["--max-new-tokens", "8", "--repeats", "1", "--calibration-prompts", "1", "--threads", "1"]
+    args += ["--batch-prompts", "4", "--batch-rowwise"]
     results = bench["main"]([*args, "--out", str(out)])
     records = results["batches"]
     assert [r["batch"] for r in records] == [1, 3] and all(r["identical"] for r in records)
-    assert all(r["plain_tok_s"] > 0 and r["tree_tok_s"] > 0 and r["policy_tok_s"] > 0 for r in records)
+    assert all(r["prompts"] == 4 for r in records)
+    speeds = ("plain_tok_s", "tree_tok_s", "policy_tok_s", "adaptive_tok_s", "rowwise_tok_s")
+    assert all(r[name] > 0 for r in records for name in speeds)
     assert all(r["policy"] == "plain" or r["policy"].startswith("static(") for r in records)
+    assert all(0 <= r["adaptive_speculated"] <= 1 for r in records)
     saved = json.loads((out / "batch.json").read_text())
     assert saved["batches"] == records and "--batch-sizes 1 3" in saved["command"]
     assert (out / "speedup_vs_batch.png").stat().st_size > 1000

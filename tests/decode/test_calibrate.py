@@ -89,3 +89,52 @@ def test_propose_cost_times_one_drafting_step_per_tree(build_target, kind, monke
     # accepted positions, then one draft expansion per level below the first
     step = {"shallow": [("advance", 2)], "deep": [("advance", 2), ("expand", 1), ("expand", 2)]}
     assert calls == [("advance", 30)] + step["shallow"] * 4 + step["deep"] * 4
+
+
+def test_acceptance_pools_the_rows_of_a_batched_run_as_separate_runs(build_target, rank_oracle):
+    """`rank_acceptance` over one batched run equals it over each prompt decoded alone (T=0, drafters that
+    accept at known rates): what lets the calibration probes decode in batches."""
+    from decode import generate
+    from decode.batch import generate_batch, left_padded
+    from decode.sizing import rank_acceptance
+    from decode.tree import DynamicTree
+
+    model = build_target("llama")
+    generator = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(1, 128, (n,), generator=generator) for n in (6, 3, 9)]
+    plains = [
+        generate(model, p, None, max_new_tokens=30, eos_token_id=[]).sequences[0].tolist() for p in prompts
+    ]
+
+    def oracles():
+        return [rank_oracle(seq, 128, [0.6, 0.2], seed=row) for row, seq in enumerate(plains)]
+
+    tree = DynamicTree(depth=3, top_k=2, total_tokens=6)
+    ids, mask = left_padded(prompts, 0)
+    batched = generate_batch(model, ids, mask, oracles(), max_new_tokens=20, eos_token_id=[], tree=tree)
+    alone = [
+        generate(model, p, drafter, max_new_tokens=20, eos_token_id=[], tree=tree)
+        for p, drafter in zip(prompts, oracles())
+    ]
+    rates = rank_acceptance([batched])
+    assert rates == rank_acceptance(alone) and 0.3 < rates[0][0] < 0.9
+
+
+def test_batch_calibration_probes_in_batches_and_makes_both_policies(build_target):
+    from decode.calibrate import calibrate_batches
+    from decode.sizing import AdaptivePolicy
+
+    model = build_target("qwen2")
+    torch.manual_seed(0)
+    head = EagleHead(EagleConfig.from_target(model.config, "eagle3")).eval()
+    generator = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(1, 128, (1, n), generator=generator) for n in (5, 7, 4)]
+    kwargs = {"max_new_tokens": 6, "verify_sizes": (1, 2, 4), "max_depth": 2, "max_top_k": 2, "repeats": 1}
+    one = calibrate_batches(model, head, prompts, [1, 2], probe_batch_size=1, **kwargs)
+    three = calibrate_batches(model, head, prompts, [1, 2], probe_batch_size=3, **kwargs)
+    assert one.acceptance == three.acceptance
+    assert sorted(three.verify_cost) == [1, 2] and sorted(three.drafting) == [1, 2]
+    assert sorted(three.choices) == [1, 2]
+    policy = three.adaptive(probe_every=0)
+    assert isinstance(policy, AdaptivePolicy) and policy.probe_every == 0 and policy is not three.adaptive()
+    assert policy(2) == three.choices[2].tree  # it starts where the fixed policy is

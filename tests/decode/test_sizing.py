@@ -175,3 +175,67 @@ def test_batch_policy_speculates_while_verifying_is_cheap_and_stops_where_it_los
             depths=[1],
             top_ks=[1],
         )
+
+
+def _adaptive(**kwargs):
+    """A policy whose calibrated rates make a tree pay at B = 1 and 4 (verifying 8 tokens costs as 1)."""
+    from decode.sizing import AdaptivePolicy
+
+    flat = {n: 0.010 for n in (1, 2, 4, 8)}
+    return AdaptivePolicy(
+        [[0.8, 0.3], [0.8, 0.3], [0.8]],
+        {1: flat, 4: flat},
+        lambda b, n, d, k: 0.0005 * d,
+        dynamic=True,
+        budgets=range(1, 8),
+        depths=[1, 2, 3],
+        top_ks=[1, 2],
+        **kwargs,
+    )
+
+
+def test_adaptive_policy_stops_speculating_when_its_batch_accepts_nothing_and_probes_back():
+    policy = _adaptive(prior_weight=2.0, decay=1.0, refit_every=1, probe_every=3)
+    first = policy(4)
+    assert first is not None and first == policy.choice(4).tree and policy.choice(4).speedup > 1.5
+    rejected = [[0, 0]], [[4, 4]]  # 4 rows: each offered two depth-1 children, none taken
+    policy.observe(*rejected)
+    assert policy.rates()[0] == pytest.approx([2 * 0.8 / 6, 2 * 0.3 / 6])
+    assert policy.rates()[1:] == [[0.8, 0.3], [0.8]]  # never offered: the calibrated rates
+    for _ in range(20):
+        policy.observe(*rejected)
+    assert policy(4) is None and policy(4) is None  # speculation now loses for this batch: plain steps
+    assert policy(4) is not None  # every third plain step is a probe with the best tree it knows
+    for _ in range(30):
+        policy.observe([[4, 0], [4, 0], [4]], [[4, 4], [4, 4], [4]])  # the batch turned predictable
+    assert policy(3) is not None and policy.choice(3).speedup > 1.5  # 3 rows: batch size 1's costs
+    assert policy.chosen[None] == 2 and sum(policy.chosen.values()) == 5
+
+
+def test_adaptive_policy_refits_only_every_few_steps_and_refuses_bad_settings():
+    policy = _adaptive(prior_weight=1.0, decay=0.5, refit_every=3)
+    tree = policy(1)
+    for _ in range(2):
+        policy.observe([[0, 0]], [[50, 50]])
+    assert policy(1) == tree  # two observed steps: not re-picked yet
+    policy.observe([[0, 0]], [[50, 50]])
+    assert policy(1) is None
+    for bad, message in (
+        ({"prior_weight": 0.0}, "prior_weight must be > 0"),
+        ({"decay": 1.5}, "decay must be in"),
+        ({"refit_every": 0}, "refit_every must be >= 1"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            _adaptive(**bad)
+
+
+def test_tally_ranks_counts_what_the_accepted_path_offered_and_took():
+    from decode.accept import tally_ranks
+
+    # root 0 -> children 1 (rank 0), 2 (rank 1); node 1 -> 3 (rank 0), 4 (rank 1); node 2 -> 5 (rank 0)
+    parents, ranks = [-1, 0, 0, 1, 1, 2], [0, 0, 1, 0, 1, 0]
+    accepted, offered = [], []
+    tally_ranks(parents, ranks, [0, 1, 4], accepted, offered)
+    assert offered == [[1, 1], [1, 1]] and accepted == [[1], [0, 1]]
+    tally_ranks(parents, ranks, [0, 2], accepted, offered)  # rank 1 taken at depth 1, its child rejected
+    assert offered == [[2, 2], [2, 1]] and accepted == [[1, 1], [0, 1]]
