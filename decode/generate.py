@@ -112,7 +112,8 @@ def generate(
         seed: seeds the sampling and draft draws.
         eos_token_id: stop token(s); None = the model's generation_config.
         acceptance: "lossless" (default) or "typical" (Medusa typical acceptance; LOSSY, sampling only).
-        attention_mask: (B, T), 1 on prompt tokens (left padding); given, or B > 1, decodes as a batch.
+        attention_mask: (B, T), 1 on prompt tokens (left padding); given, or B > 1, or a per-step policy as
+            `tree` (`decode.batch.generate_batch`), decodes as a batch (B may be 1).
     Returns:
         GenerateOutput with sequences and stats (tau counts the bonus token).
     Raises:
@@ -142,7 +143,7 @@ def generate(
     if isinstance(heads, (MedusaHeads, EagleHead)):  # before any work with them (a Drafter is taken as it is)
         check_head_matches_target(heads.config, model, where=type(heads).__name__)
         _check_placement(heads, model)
-    if input_ids.shape[0] != 1 or attention_mask is not None:
+    if input_ids.shape[0] != 1 or attention_mask is not None or callable(tree):
         if acceptance != "lossless":
             raise NotImplementedError("typical acceptance decodes one sequence at a time")
         return generate_batch(

@@ -271,6 +271,8 @@ def test_a_per_step_policy_switches_trees_and_plain_steps_and_stays_lossless(bui
         alone = generate(model, prompt, None, max_new_tokens=16, eos_token_id=stop)
         assert out.replies[row] == alone.sequences[0, len(prompt) :].tolist(), f"row {row}"
     assert asked == sorted(asked, reverse=True) and asked[-1] <= 2 < asked[0]  # drafted, then plain steps
+    one = generate(model, prompts[3], oracles[3], max_new_tokens=16, eos_token_id=stop, tree=policy)
+    assert one.replies == [out.replies[3]]  # one prompt with a policy: the batched loop, B = 1
 
 
 def test_batch_verify_costs_are_measured_per_batch_size_and_leave_no_trace(build_target):
