@@ -1,7 +1,7 @@
 """Train one head per arm of an ablation spec and tabulate their acceptance (train/ablation.py has the spec
 format). Rerun the same command to resume: finished arms are skipped, an interrupted one resumes.
 
-    python scripts/ablate.py configs/ablation/smollm2.yaml [--arms baseline ttt5] [--no-train]
+    python scripts/ablate.py configs/ablation/smollm2.yaml [--arms baseline ttt5] [--no-train] [--dump-only]
 
 Prompts per category: chat and instruction from data/smollm2/prompts_eval.jsonl, code from HumanEval
 (prompts_code_eval.jsonl), the benchmark's own (decode.benchmark.load_prompts), never trained on. Writes
@@ -11,11 +11,12 @@ ablation.json and ablation.md to the spec's output_dir and prints the table.
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from decode.benchmark import load_prompts
 from heads.target import load_target
-from train.ablation import judge_arm, load_spec, run_arm, write_results
+from train.ablation import DUMPED, dump_states, judge_arm, load_spec, run_arm, write_results
 from train.config import EagleRunConfig, MedusaRunConfig, load_config
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "smollm2"
@@ -28,6 +29,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("spec", type=Path, help="ablation YAML (train/ablation.py)")
     parser.add_argument("--arms", nargs="*", default=None, help="only these arms (default: all, in order)")
     parser.add_argument("--no-train", action="store_true", help="evaluate the arms trained so far only")
+    parser.add_argument("--dump-only", action="store_true", help="offline spec: dump the states, then stop")
     args = parser.parse_args(argv)
     try:
         spec = load_spec(args.spec)
@@ -37,6 +39,15 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [n for n in names if n not in spec.arms]
     if unknown:
         raise SystemExit(f"{args.spec}: no arm(s) {unknown}; the spec has {list(spec.arms)}")
+    if args.dump_only and spec.states_dir is None:
+        raise SystemExit(f"{args.spec}: --dump-only: the spec trains online (no hidden_states: offline)")
+    dumped = None
+    if spec.states_dir is not None and not args.no_train:
+        dumped = dump_states(spec)  # once for every arm (skipped when done before)
+        if args.dump_only:
+            return
+    elif spec.states_dir is not None and (spec.states_dir / DUMPED).is_file():
+        dumped = json.loads((spec.states_dir / DUMPED).read_text())["seconds"]
     records = []
     for name in names:
         if args.no_train:
@@ -58,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"[{record['arm']}] {result['head']}: draft {result['draft_ms']:.1f} ms/step, {taus}",
                 flush=True,
             )
-    _, table = write_results(spec, results)
+    _, table = write_results(spec, results, dumped)
     print(table.read_text())
 
 

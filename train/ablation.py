@@ -1,7 +1,10 @@
 """Training choices measured side by side (`scripts/ablate.py`): one run of a recipe per arm (the same base
 config, data and step budget, one arm's overrides on top), then every arm's head decoded greedily on the same
 held-out prompts. Runs are resumable: a finished arm is skipped, an interrupted one resumes from its last
-state (the recipe's own resume).
+state (the recipe's own resume). With `hidden_states: offline` the target's hidden states over the training
+data are dumped once into output_dir/states (`scripts/dump_hidden_states.py`, resumable too) and every arm
+trains on them (`data.hidden_states=offline`): the target's forward, most of an online step on a CPU, is paid
+once instead of once per arm, and an arm's training seconds are then its draft's own cost.
 
 The spec is a YAML file:
 
@@ -9,6 +12,7 @@ The spec is a YAML file:
     base: configs/eagle3_smollm2.yaml  # the recipe config every arm starts from
     overrides: [train.max_steps=600]   # applied to every arm (data, budget, evaluation off, ...)
     output_dir: runs/ablation          # one folder per arm (~ is expanded)
+    hidden_states: offline             # optional (eagle): dump the target's states once, every arm reads them
     prompts: 10                        # held-out prompts per category
     new_tokens: 64
     arms:                              # name -> its own overrides; the first is the reference
@@ -35,6 +39,8 @@ from train.checkpoint import BEST_DIR
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ("eagle", "medusa")
 DONE = "ablation_done.json"  # written in an arm's folder when its run finished
+DUMPED = "dump_done.json"  # written in the states folder when the dump finished (with its seconds)
+HIDDEN_STATES = ("online", "offline")
 SPENT = "ablation_seconds.json"  # training seconds of an arm's launches so far
 
 
@@ -47,6 +53,19 @@ class AblationSpec:
     overrides: list[str] = field(default_factory=list)
     prompts: int = 10
     new_tokens: int = 64
+    hidden_states: str = "online"
+
+    @property
+    def states_dir(self) -> Path | None:
+        """Where an offline spec's hidden states go (None when online)."""
+        return self.output_dir / "states" if self.hidden_states == "offline" else None
+
+    @property
+    def common_overrides(self) -> list[str]:
+        """The overrides every arm gets: the spec's, plus reading the dumped states when offline."""
+        if self.states_dir is None:
+            return list(self.overrides)
+        return [*self.overrides, "data.hidden_states=offline", f"data.offline_dir={self.states_dir}"]
 
 
 def load_spec(path: str | Path) -> AblationSpec:
@@ -73,6 +92,14 @@ def load_spec(path: str | Path) -> AblationSpec:
             raise ValueError(f"{path}: arm {name!r} must list 'section.key=value' overrides, found {extra!r}")
         if "/" in str(name) or any(o.startswith("train.output_dir=") for o in extra):
             raise ValueError(f"{path}: arm {name!r}: its folder is output_dir/<name>, not set by an override")
+    if raw.get("hidden_states", "online") not in HIDDEN_STATES:
+        raise ValueError(
+            f"{path}: hidden_states {raw['hidden_states']!r}, expected one of {list(HIDDEN_STATES)}"
+        )
+    if raw.get("hidden_states") == "offline" and raw["recipe"] != "eagle":
+        raise ValueError(
+            f"{path}: hidden_states: offline needs recipe eagle (its dump), found {raw['recipe']!r}"
+        )
     for key in ("prompts", "new_tokens"):
         if key in raw and (not isinstance(raw[key], int) or raw[key] < 1):
             raise ValueError(f"{path}: {key} must be a positive integer, found {raw[key]!r}")
@@ -84,6 +111,7 @@ def load_spec(path: str | Path) -> AblationSpec:
         overrides=list(raw.get("overrides") or []),
         prompts=raw.get("prompts", 10),
         new_tokens=raw.get("new_tokens", 64),
+        hidden_states=raw.get("hidden_states", "online"),
     )
 
 
@@ -94,10 +122,60 @@ def arm_command(spec: AblationSpec, name: str) -> list[str]:
         sys.executable,
         str(ROOT / "train" / f"{spec.recipe}.py"),
         str(spec.base),
-        *spec.overrides,
+        *spec.common_overrides,
         *spec.arms[name],
         f"train.output_dir={out}",
     ]
+
+
+def dump_command(spec: AblationSpec) -> list[str]:
+    """The command that dumps an offline spec's hidden states (the base config and the common overrides: the
+    data every arm trains on)."""
+    if spec.states_dir is None:
+        raise ValueError("the spec trains online: no hidden states to dump")
+    script = ROOT / "scripts" / "dump_hidden_states.py"
+    return [
+        sys.executable,
+        str(script),
+        str(spec.base),
+        *spec.overrides,
+        f"data.offline_dir={spec.states_dir}",
+    ]
+
+
+def dump_states(spec: AblationSpec, log=print) -> float:
+    """Dump an offline spec's hidden states unless done before (an interrupted dump resumes); returns the
+    seconds the dump took (all its launches)."""
+    done = spec.states_dir / DUMPED
+    if done.is_file():
+        seconds = json.loads(done.read_text())["seconds"]
+        log(f"[states] dumped before ({seconds:.0f} s): {spec.states_dir}")
+        return seconds
+    command = dump_command(spec)
+    log("[states] " + " ".join(command[1:]))
+    seconds = _launch(command, spec.states_dir, "dump.log", "the hidden-state dump")
+    write_json(done, {"seconds": seconds})
+    return seconds
+
+
+def _launch(command: list[str], folder: Path, log_name: str, what: str) -> float:
+    """Run `command` from the repository root, appending its output to folder/log_name; returns the seconds of
+    all its launches so far (an interrupted command resumes when launched again, its earlier time kept in
+    folder/SPENT). RuntimeError with the log's tail when it fails."""
+    folder.mkdir(parents=True, exist_ok=True)
+    spent = folder / SPENT
+    before = json.loads(spent.read_text())["seconds"] if spent.is_file() else 0.0
+    start = time.perf_counter()
+    try:
+        with (folder / log_name).open("a") as stream:
+            run = subprocess.run(command, cwd=ROOT, stdout=stream, stderr=subprocess.STDOUT, check=False)
+    finally:  # also when interrupted (Ctrl-C); a killed runner loses this launch's time only
+        seconds = before + time.perf_counter() - start
+        write_json(spent, {"seconds": seconds})
+    if run.returncode != 0:
+        tail = "\n".join((folder / log_name).read_text().splitlines()[-15:])
+        raise RuntimeError(f"{what} failed (exit {run.returncode}); {folder / log_name} ends:\n{tail}")
+    return seconds
 
 
 def run_arm(spec: AblationSpec, name: str, log=print) -> dict:
@@ -111,19 +189,7 @@ def run_arm(spec: AblationSpec, name: str, log=print) -> dict:
         return record
     command = arm_command(spec, name)
     log(f"[{name}] " + " ".join(command[1:]))
-    out.mkdir(parents=True, exist_ok=True)
-    spent = out / SPENT  # seconds of the launches before this one (an interrupted arm resumes)
-    before = json.loads(spent.read_text())["seconds"] if spent.is_file() else 0.0
-    start = time.perf_counter()
-    try:
-        with (out / "train.log").open("a") as stream:
-            run = subprocess.run(command, cwd=ROOT, stdout=stream, stderr=subprocess.STDOUT, check=False)
-    finally:  # also when interrupted (Ctrl-C); a killed runner loses this launch's time only
-        seconds = before + time.perf_counter() - start
-        write_json(spent, {"seconds": seconds})
-    if run.returncode != 0:
-        tail = "\n".join((out / "train.log").read_text().splitlines()[-15:])
-        raise RuntimeError(f"arm {name!r} failed (exit {run.returncode}); {out / 'train.log'} ends:\n{tail}")
+    seconds = _launch(command, out, "train.log", f"arm {name!r}")
     record = {"arm": name, "overrides": spec.arms[name], "seconds": seconds}
     write_json(done, record)
     return record
@@ -224,9 +290,9 @@ def judge_arm(
     ]
 
 
-def render(spec: AblationSpec, results: list[dict]) -> str:
+def render(spec: AblationSpec, results: list[dict], dump_seconds: float | None = None) -> str:
     """A markdown table: one row per arm, its overrides, training seconds, the head judged, the simulated tau
-    its run recorded, the draft cost per step and tau per category."""
+    its run recorded, the draft cost per step and tau per category (and, offline, what the dump took)."""
     categories = list(results[0]["tau"]) if results else []
     head = ["arm", "overrides", "train s", "head", "sim tau", "draft ms", *(f"{c} tau" for c in categories)]
     title = (
@@ -237,6 +303,12 @@ def render(spec: AblationSpec, results: list[dict]) -> str:
         "recorded it; draft ms: the drafter's median milliseconds per greedy step with the default tree on "
         "this machine."
     )
+    if spec.states_dir is not None:
+        took = "" if dump_seconds is None else f" ({dump_seconds:.0f} s, once)"
+        title += (
+            f" Offline: every arm read the target's hidden states dumped into `{spec.states_dir}`{took}; "
+            "train s is the draft's training alone."
+        )
     lines = [
         title,
         "",
@@ -257,10 +329,13 @@ def render(spec: AblationSpec, results: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_results(spec: AblationSpec, results: list[dict]) -> tuple[Path, Path]:
+def write_results(
+    spec: AblationSpec, results: list[dict], dump_seconds: float | None = None
+) -> tuple[Path, Path]:
     """ablation.json and ablation.md in the spec's output folder."""
     table = spec.output_dir / "ablation.md"
     data = spec.output_dir / "ablation.json"
-    write_json(data, {"base": str(spec.base), "overrides": spec.overrides, "results": results})
-    write_text(table, render(spec, results))
+    summary = {"base": str(spec.base), "overrides": spec.common_overrides, "results": results}
+    write_json(data, summary | ({"dump_seconds": dump_seconds} if dump_seconds is not None else {}))
+    write_text(table, render(spec, results, dump_seconds))
     return data, table

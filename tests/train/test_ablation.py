@@ -14,8 +14,11 @@ import yaml
 from heads.target import load_target
 from train.ablation import (
     DONE,
+    DUMPED,
     SPENT,
     arm_command,
+    dump_command,
+    dump_states,
     evaluate_arm,
     judge_arm,
     load_spec,
@@ -42,6 +45,8 @@ def _spec_file(tmp_path, **fields) -> Path:
     [
         ({"steps": 3}, r"unknown key\(s\) \['steps'\]"),
         ({"recipe": "lookahead"}, "recipe 'lookahead', expected one of"),
+        ({"hidden_states": "disk"}, "hidden_states 'disk', expected one of"),
+        ({"hidden_states": "offline", "recipe": "medusa"}, "offline needs recipe eagle"),
         ({"arms": {}}, "arms must be a non-empty mapping"),
         ({"arms": {"a": "eagle.ttt_steps=5"}}, "arm 'a' must list 'section.key=value' overrides"),
         ({"arms": {"a": ["eagle.ttt_steps"]}}, "arm 'a' must list"),
@@ -140,6 +145,40 @@ def test_two_arms_train_resume_evaluate_and_tabulate(tmp_path, tiny_target_dir, 
     assert f"| {BEST_DIR} | {results[1]['eval_tau']:.2f} | {results[1]['draft_ms']:.1f} |" in text
     assert text.count("\n| ") == 4  # header + 3 judged heads
     assert [r["arm"] for r in json.loads(data.read_text())["results"]] == ["reference", "reference", "ttt1"]
+
+
+def test_an_offline_spec_dumps_the_states_once_and_every_arm_reads_them(tmp_path, tiny_target_dir, chat_file):
+    common = [
+        f"model.target={tiny_target_dir}",
+        f"data.train_files=[{chat_file}]",
+        "train.eval_tau_prompts=0",
+    ]
+    arms = {"reference": [], "ttt1": ["eagle.ttt_steps=1"], "longer": ["data.max_length=96"]}
+    spec = load_spec(_spec_file(tmp_path, overrides=common, arms=arms, hidden_states="offline"))
+    states = tmp_path / "out" / "states"
+    assert spec.states_dir == states
+    assert arm_command(spec, "ttt1")[3:] == [
+        *common,
+        "data.hidden_states=offline",
+        f"data.offline_dir={states}",
+        "eagle.ttt_steps=1",
+        f"train.output_dir={tmp_path / 'out' / 'ttt1'}",
+    ]
+    assert dump_command(spec)[2:] == [str(TINY_YAML), *common, f"data.offline_dir={states}"]
+    logs = []
+    seconds = dump_states(spec, log=logs.append)
+    assert seconds > 0 and (states / DUMPED).is_file() and any(states.glob("*.safetensors"))
+    assert dump_states(spec, log=logs.append) == seconds and "dumped before" in logs[-1]
+    for name in ("reference", "ttt1"):
+        run_arm(spec, name, log=logs.append)
+        assert (spec.output_dir / name / "head" / "config.json").is_file()
+    # an arm whose data differ from the dump's is refused by the recipe, and the error says why
+    with pytest.raises(RuntimeError, match=r"(?s)arm 'longer' failed .*holds other tokens than the training set's"):
+        run_arm(spec, "longer", log=logs.append)
+    assert "Offline: every arm read" in render(spec, [], seconds)
+    assert "Offline" not in render(load_spec(_spec_file(tmp_path)), [])
+    with pytest.raises(ValueError, match="trains online"):
+        dump_command(load_spec(_spec_file(tmp_path)))
 
 
 def test_script_refuses_an_unknown_arm(tmp_path, capsys):
