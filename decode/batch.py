@@ -39,19 +39,28 @@ class BatchState:
     valid: Tensor  # (B, L) bool: cache column j holds a committed token of row b
     lengths: Tensor  # (B,) int64: committed tokens per row (the next token's position)
     ends: Tensor  # (B,) int64: one past each row's last valid column
+    host_ends: list[int] = field(
+        default_factory=list
+    )  # `ends` on the host: laying out the cache reads nothing
+
+    def __post_init__(self) -> None:
+        if not self.host_ends:
+            self.host_ends = self.ends.tolist()
 
     @property
     def columns(self) -> int:
         return self.valid.shape[1]
 
-    def select(self, rows: Tensor) -> None:
-        """Keep only `rows` (int64 indices) in the batch and the cache (finished sequences leave)."""
-        self.cache.batch_select_indices(rows)
-        self.valid, self.lengths, self.ends = self.valid[rows], self.lengths[rows], self.ends[rows]
+    def select(self, rows: list[int]) -> None:
+        """Keep only `rows` (indices into the batch) in the batch and the cache (finished sequences leave)."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.valid.device)
+        self.cache.batch_select_indices(index)
+        self.valid, self.lengths, self.ends = self.valid[index], self.lengths[index], self.ends[index]
+        self.host_ends = [self.host_ends[r] for r in rows]
         self._trim()
 
     def _trim(self) -> None:
-        end = int(self.ends.max()) if self.ends.numel() else 0
+        end = max(self.host_ends, default=0)
         if end < self.columns:
             self.valid = self.valid[:, :end]
             for layer in self.cache.layers:
@@ -197,13 +206,18 @@ def verify_batch(
     return out.logits, features
 
 
-def commit(state: BatchState, keep: list[list[int]], tree_size: int) -> None:
+def commit(state: BatchState, keep: list[list[int]], tree_size: int, path: Tensor | None = None) -> None:
     """Keep each row's accepted nodes (`keep[b]`: node indices, root first, in path order) of the last
     `verify_batch` (`tree_size` nodes per row): move their KV right behind the row's last valid column, mark
-    them valid, advance the row's length, and cut the columns no row uses."""
+    them valid, advance the row's length, and cut the columns no row uses.
+
+    The move is a few batched ops per layer whatever B is (a gather of every row's path, a scatter behind its
+    end). `path`: the same nodes as a (B, P) device tensor padded with -1 (what `accept_greedy` returns, one
+    row per sequence), so nothing is uploaded; without it `keep` is uploaded once."""
     before = state.columns  # the columns before this step's tree (`valid` does not cover the tree yet)
-    if len(keep) != state.valid.shape[0]:
-        raise ValueError(f"keep has {len(keep)} rows, the batch {state.valid.shape[0]}")
+    batch = state.valid.shape[0]
+    if len(keep) != batch:
+        raise ValueError(f"keep has {len(keep)} rows, the batch {batch}")
     lengths = {layer.keys.shape[-2] for layer in state.cache.layers}
     if len(lengths) > 1:
         raise NotImplementedError(
@@ -214,23 +228,39 @@ def commit(state: BatchState, keep: list[list[int]], tree_size: int) -> None:
         raise ValueError(
             f"the cache holds {lengths.pop()} columns, expected {before} + a tree of {tree_size}"
         )
-    grown = torch.zeros(state.valid.shape[0], tree_size, dtype=torch.bool, device=state.valid.device)
-    valid = torch.cat([state.valid[:, :before], grown], dim=1)
-    for row, nodes in enumerate(keep):
-        if not nodes:
-            continue
-        start = int(state.ends[row])
-        source = torch.tensor(nodes, device=state.valid.device) + before
-        if nodes != list(range(start - before, start - before + len(nodes))):  # not in place already
-            for layer in state.cache.layers:
-                index = source.to(layer.keys.device)
-                layer.keys[row, :, start : start + len(nodes)] = layer.keys[row].index_select(-2, index)
-                layer.values[row, :, start : start + len(nodes)] = layer.values[row].index_select(-2, index)
-        valid[row, start : start + len(nodes)] = True
-        state.ends[row] = start + len(nodes)
-        state.lengths[row] += len(nodes)
+    device = state.valid.device
+    width = min(max((len(nodes) for nodes in keep), default=0), tree_size)  # a path is at most the tree
+    valid = torch.cat([state.valid, state.valid.new_zeros(batch, tree_size)], dim=1)
+    if width:
+        if path is None:
+            path = torch.tensor([nodes + [-1] * (width - len(nodes)) for nodes in keep], device=device)
+        path = path[:, :width].to(device)
+        taken = path >= 0
+        # row b's i-th kept node goes to column ends[b] + i; the padding (-1) copies the root into columns
+        # past the row's new end, which stay invalid (ends[b] + width - 1 <= before + tree_size - 1)
+        target = state.ends[:, None] + torch.arange(width, device=device)
+        source = before + path.clamp(min=0)
+        for layer in state.cache.layers:
+            for name in ("keys", "values"):
+                cached = getattr(layer, name)
+                shape = (-1, cached.shape[1], -1, cached.shape[-1])
+                src = source.to(cached.device)[:, None, :, None].expand(shape)
+                dst = target.to(cached.device)[:, None, :, None].expand(shape)
+                cached.scatter_(2, dst, cached.gather(2, src))
+        valid.scatter_(1, target, taken)
+        counts = taken.sum(1)
+        state.ends = state.ends + counts
+        state.lengths = state.lengths + counts
+        state.host_ends = [end + len(nodes) for end, nodes in zip(state.host_ends, keep)]
     state.valid = valid
     state._trim()
+
+
+def _padded(path: Tensor, width: int) -> Tensor:
+    """`path` (P,) cut or padded with -1 to `width` entries (on the device: nothing read back)."""
+    if path.numel() >= width:
+        return path[:width]
+    return torch.cat([path, path.new_full((width - path.numel(),), -1)])
 
 
 def stop_tokens(model: nn.Module, eos_token_id) -> set[int]:
@@ -384,10 +414,9 @@ def generate_batch(
                 valid = state.valid[r]
                 pending[r].append((features[r][valid], torch.cat([prompt[r][valid][1:], roots[r]])))
         if len(rows) < batch:
-            picked = torch.tensor(rows, dtype=torch.long, device=state.valid.device)
-            state.select(picked)
+            state.select(rows)
             if together is not None:
-                together.select(picked)
+                together.select(rows)
 
         def catch_up() -> None:
             """The drafters take in every row's pending positions (in one call when drafting together)."""
@@ -419,63 +448,76 @@ def generate_batch(
                     f"the rows' trees differ in size ({sorted(sizes)}): one size per step"
                 )
             size = sizes.pop()
+            tokens = torch.stack([t.tokens for t in trees])  # (B, N)
             logits, step_features = verify_batch(
                 model,
                 state,
-                torch.stack([t.tokens for t in trees]),
+                tokens,
                 torch.stack([t.depths for t in trees]),
                 torch.stack([t.ancestors for t in trees]),
                 capture,
             )
             forwards += 1
+            if temperature == 0:
+                accepted = [accept_greedy(draft, logits[i]) for i, draft in enumerate(trees)]
+            else:
+                accepted = [
+                    accept_sampling(draft, logits[i], temperature, top_p, top_k, generator)
+                    for i, draft in enumerate(trees)
+                ]
+            depth = min(max(path.numel() for path, _ in accepted), size)  # a path is at most the tree
+            paths = torch.stack([_padded(path, depth) for path, _ in accepted])  # (B, P), -1 padded
+            bonuses = torch.stack([bonus.reshape(()) for _, bonus in accepted])  # (B,)
+            parts = [paths.flatten(), bonuses, tokens.flatten()]
+            if size > 1:  # the trees' shapes, for the statistics
+                parts += [torch.stack([t.parents for t in trees]).flatten()]
+                parts += [torch.stack([t.ranks for t in trees]).flatten()]
+            # the step's one read of the device, for every row: paths, bonus tokens, tree tokens (and shapes)
+            host = torch.cat([part.to(paths.device) for part in parts]).tolist()
+            count = len(rows)
+            host_paths = [host[i * depth : (i + 1) * depth] for i in range(count)]
+            host_bonus = host[count * depth : count * depth + count]
+            offset = count * depth + count
+            host_tokens = [host[offset + i * size : offset + (i + 1) * size] for i in range(count)]
+            offset += count * size
             keeps, alive = [], []
             step_accepted: list[list[int]] = []  # this step's acceptance per (depth, rank), all rows
             step_offered: list[list[int]] = []
-            for i, (r, draft) in enumerate(zip(rows, trees)):
-                if temperature == 0:
-                    path, bonus = accept_greedy(draft, logits[i])
-                else:
-                    path, bonus = accept_sampling(draft, logits[i], temperature, top_p, top_k, generator)
-                host = torch.cat([path, bonus.view(1), draft.tokens, draft.parents, draft.ranks]).tolist()
-                length = path.numel()
-                keep = [node for node in host[:length] if node >= 0]
-                tokens = host[length + 1 : length + 1 + size]
-                new = [tokens[node] for node in keep[1:]] + [host[length]]
+            for i, r in enumerate(rows):
+                keep = [node for node in host_paths[i] if node >= 0]
+                new = [host_tokens[i][node] for node in keep[1:]] + [host_bonus[i]]
                 generated[r] += new
                 stat = stats[r]
                 stat["steps"] += 1
                 stat["emitted"] += len(new)
-                for depth in range(1, len(keep)):
-                    stat["per_depth"] += [0] * (depth - len(stat["per_depth"]))
-                    stat["per_depth"][depth - 1] += 1
+                for level in range(1, len(keep)):
+                    stat["per_depth"] += [0] * (level - len(stat["per_depth"]))
+                    stat["per_depth"][level - 1] += 1
                 if size > 1:
-                    parents, ranks = (
-                        host[length + 1 + size : length + 1 + 2 * size],
-                        host[length + 1 + 2 * size :],
-                    )
+                    parents = host[offset + i * size : offset + (i + 1) * size]
+                    ranks = host[offset + (count + i) * size : offset + (count + i + 1) * size]
                     tally_ranks(parents, ranks, keep, stat["ranks"], stat["offered"])
                     if observe is not None:
                         tally_ranks(parents, ranks, keep, step_accepted, step_offered)
                 keeps.append(keep)
-                roots[r] = bonus.view(1)
+                roots[r] = bonuses[i : i + 1]
                 if not (eos.intersection(new) or len(generated[r]) >= max_new_tokens):
                     alive.append(i)
                     if drafters[r] is not None:
-                        kept = torch.tensor(keep, device=logits.device)
+                        kept = paths[i, : len(keep)]  # the accepted nodes as a device index: no upload
                         pending[r].append(
                             (
                                 step_features[i].index_select(0, kept),
-                                torch.cat([draft.tokens[kept[1:]], roots[r]]),
+                                torch.cat([tokens[i].index_select(0, kept[1:]), roots[r]]),
                             )
                         )
-            commit(state, keeps, size)
+            commit(state, keeps, size, paths)
             if observe is not None and size > 1:
                 observe(step_accepted, step_offered)
             if len(alive) < len(rows):
-                picked = torch.tensor(alive, dtype=torch.long, device=state.valid.device)
-                state.select(picked)
+                state.select(alive)
                 if together is not None:
-                    together.select(picked)
+                    together.select(alive)
                 rows = [rows[i] for i in alive]
     synchronize(model.device)
     seconds = time.perf_counter() - start

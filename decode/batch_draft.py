@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils.rnn import pad_sequence
 
 from decode.fused import fused_step
 from decode.propose import _static_levels, draft_lm_head, draw_children, float_dtype
@@ -38,6 +39,7 @@ class BatchEagleDrafter:
         self.cache = DraftCache()
         self.valid = torch.zeros(batch, 0, dtype=torch.bool, device=device)  # committed columns per row
         self.counts = torch.zeros(batch, dtype=torch.long, device=device)  # committed positions per row
+        self.host_counts = [0] * batch  # the same on the host (valid columns per row)
         self.root_hidden: Tensor | None = None  # (B, H): output at each row's last committed position
         self._rows: list[Tensor] = []  # this proposal's expanded entries, (B, n, H) per level
         self._allowed: list[Tensor] = []  # (B, n, R) per level: which earlier expanded entries each may see
@@ -51,12 +53,13 @@ class BatchEagleDrafter:
         """Row b takes in `features[b]` (n_b, F) of its newly accepted positions and the tokens after them
         (n_b,); rows may differ in n_b (n_b >= 1)."""
         device = self.valid.device
-        sizes = torch.tensor([t.numel() for t in next_tokens], device=device)
-        width = max(t.numel() for t in next_tokens)
-        feats = torch.zeros(self.batch, width, features[0].shape[-1], dtype=self.dtype, device=device)
-        tokens = torch.zeros(self.batch, width, dtype=torch.long, device=device)
-        for b, (f, t) in enumerate(zip(features, next_tokens)):
-            feats[b, : t.numel()], tokens[b, : t.numel()] = f.to(self.dtype), t
+        sizes = [t.numel() for t in next_tokens]  # host-known: nothing is read back or uploaded for them
+        width = max(sizes)
+        feats = pad_sequence([f.to(self.dtype) for f in features], batch_first=True)  # (B, width, F)
+        tokens = pad_sequence(list(next_tokens), batch_first=True)
+        taken = pad_sequence(
+            [t.new_ones(n, dtype=torch.bool) for t, n in zip(next_tokens, sizes)], batch_first=True
+        )
         new = torch.arange(width, device=device)
         allowed = torch.cat(
             [
@@ -72,9 +75,11 @@ class BatchEagleDrafter:
             self.cache,
             attention_mask=additive_mask(allowed, self.dtype)[:, None],
         )
-        self.valid = torch.cat([self.valid, new[None, :] < sizes[:, None]], dim=1)
-        self.counts += sizes
-        self.root_hidden = hidden[torch.arange(self.batch, device=device), sizes - 1]
+        self.valid = torch.cat([self.valid, taken.to(device)], dim=1)
+        counts = taken.sum(1).to(device)
+        self.counts = self.counts + counts
+        self.host_counts = [c + n for c, n in zip(self.host_counts, sizes)]
+        self.root_hidden = hidden.gather(1, (counts - 1)[:, None, None].expand(-1, 1, hidden.shape[-1]))[:, 0]
         self._compact()
         self._start_proposal()
 
@@ -82,7 +87,7 @@ class BatchEagleDrafter:
         """Drop the columns no row uses once they are more than half the cache (padding and finished rows'
         leftovers): each row's valid entries keep their order, packed to the right."""
         columns = self.valid.shape[1]
-        keep = int(self.valid.sum(1).max()) if columns else 0
+        keep = max(self.host_counts, default=0)  # valid columns of the fullest row (kept on the host)
         if columns <= 2 * max(keep, 16):
             return
         # a stable order per row: invalid columns first, then the valid ones in their order
@@ -95,8 +100,10 @@ class BatchEagleDrafter:
     def _start_proposal(self) -> None:
         self._rows, self._allowed = [], []
 
-    def select(self, rows: Tensor) -> None:
-        """Keep only `rows` (finished sequences leave the batch)."""
+    def select(self, rows: list[int]) -> None:
+        """Keep only `rows` (indices into the batch; finished sequences leave it)."""
+        self.host_counts = [self.host_counts[r] for r in rows]
+        rows = torch.tensor(rows, dtype=torch.long, device=self.valid.device)
         self.valid, self.counts = self.valid[rows], self.counts[rows]
         if self.root_hidden is not None:
             self.root_hidden = self.root_hidden[rows]
@@ -125,7 +132,8 @@ class BatchEagleDrafter:
                 [torch.nn.functional.pad(a, (0, cached - a.shape[-1])) for a in self._allowed], 1
             )
             from_parent = previous.gather(1, parent_rows.clamp(min=0)[:, :, None].expand(-1, -1, cached))
-            parent = torch.nn.functional.one_hot(parent_rows.clamp(min=0), cached).bool()
+            # one_hot would read the indices' range back to the host
+            parent = parent_rows.clamp(min=0)[:, :, None] == torch.arange(cached, device=device)
             tree = (from_parent | parent) & (parent_rows >= 0)[:, :, None]
         else:
             tree = torch.zeros(batch, n, 0, dtype=torch.bool, device=device)
@@ -173,9 +181,9 @@ class BatchMedusaDrafter:
         last = torch.stack([f[-1] for f in features]).to(self.dtype)  # (B, F)
         self._logits = self.heads(last[:, None], lm_head=self.lm_head)[:, :, 0].transpose(0, 1)
 
-    def select(self, rows: Tensor) -> None:
+    def select(self, rows: list[int]) -> None:
         if self._logits is not None:
-            self._logits = self._logits[rows]
+            self._logits = self._logits[torch.tensor(rows, dtype=torch.long, device=self._logits.device)]
 
     def root_logits(self) -> Tensor:
         return self._logits[:, 0]
@@ -222,7 +230,7 @@ class _BatchGrowth:
         self.q_rows = torch.full((batch, capacity), -1, dtype=torch.long, device=device)
         self.q_table: list[Tensor] = []  # (B, n, V) per drawn level
         self.ancestors = torch.zeros(batch, capacity, capacity, dtype=torch.bool, device=device)
-        self.ancestors[:, 0, 0] = True
+        self.ancestors[:, 0, 0].fill_(True)  # fill_, not `= True` (a scalar tensor made and copied)
 
     def add_children(
         self, parents: Tensor, logits: Tensor, k: int, depth: int, select: Tensor | None = None
@@ -249,7 +257,7 @@ class _BatchGrowth:
             self.tokens[:, start:stop] = targets[:, select]
             self.ranks[:, start:stop] = select % k
         self.parents[:, start:stop] = parent_ids
-        self.depths[:, start:stop] = depth
+        self.depths[:, start:stop].fill_(depth)
         capacity = self.ancestors.shape[-1]
         self.ancestors[:, start:stop] = self.ancestors.gather(
             1, parent_ids[:, :, None].expand(-1, -1, capacity)

@@ -27,7 +27,7 @@ class TreeBuffers:
 
     @property
     def depth(self) -> int:
-        return int(self.position_ids.max())
+        return max((len(path) for path in self.paths), default=0)  # from the host paths: no device read
 
     def __len__(self) -> int:
         return self.parents.numel()

@@ -57,7 +57,7 @@ def test_batched_drafting_grows_the_trees_each_row_grows_alone(build_target, arc
     live = [0, 1, 2]
     for step in range(5):
         if step == 2:  # row 1 finished: it leaves, and its long history is compacted away at the next advance
-            together.select(torch.tensor([0, 2]))
+            together.select([0, 2])
             live = [0, 2]
         roots = torch.randint(0, 128, (len(live),), generator=generator)
         for tree in TREES:

@@ -104,6 +104,42 @@ def test_round_trips_per_step_do_not_grow_with_tree_or_layers(build_target, kind
     assert max(counts.values()) <= BOUND, f"{counts} round trips per step, bound {BOUND}"
 
 
+def _per_batched_step(model: nn.Module, heads: nn.Module, batch: int, tree, temperature: float) -> float:
+    """Round trips per step of `generate_batch` over `batch` prompts of different lengths (rows drafting
+    together), from a run of 8 and one of 24 new tokens after a warm-up run (a static tree's levels are made
+    once per tree: not per step)."""
+    from decode.batch import generate_batch, left_padded
+
+    ids, mask = left_padded([PROMPT[0, : 7 - row % 3] for row in range(batch)], 0)
+    kwargs = {"tree": tree, "temperature": temperature, "seed": 0, "eos_token_id": []}
+    generate_batch(model, ids, mask, heads, max_new_tokens=4, **kwargs)
+    runs = []
+    for new_tokens in (8, 24):
+        with RoundTrips() as trips:
+            out = generate_batch(model, ids, mask, heads, max_new_tokens=new_tokens, **kwargs)
+        assert len(set(out.steps)) == 1  # every row stepped alike: the runs differ by whole steps
+        runs.append((trips.count, out.steps[0]))
+    (short, short_steps), (long, long_steps) = runs
+    assert long_steps > short_steps
+    return (long - short) / (long_steps - short_steps)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampling"])
+@pytest.mark.parametrize("kind", ["eagle3", "medusa"])
+def test_batched_round_trips_per_step_do_not_grow_with_the_batch_or_the_tree(build_target, kind, temperature):
+    """The batched loop reads the device once per step for all rows (every row's path, bonus token and tree),
+    moves every row's accepted KV in a few batched ops, and keeps its bookkeeping on the host."""
+    target, heads = _always_accepting(build_target, 2, kind)
+    trees = TREES if kind == "eagle3" else [None, [(0,), (1,), (0, 0)]]
+    counts = {
+        (b, i): _per_batched_step(target, heads, b, t, temperature)
+        for b in (1, 3, 6)
+        for i, t in enumerate(trees)
+    }
+    assert len(set(counts.values())) == 1, f"round trips per step vary with the batch or the tree: {counts}"
+    assert max(counts.values()) <= BOUND, f"{counts} round trips per step, bound {BOUND}"
+
+
 def test_plain_decoding_round_trips(build_target):
     per_step, _ = _per_step(build_target("llama"), None, None, 0.0)
     assert per_step <= BOUND

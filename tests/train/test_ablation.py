@@ -173,7 +173,9 @@ def test_an_offline_spec_dumps_the_states_once_and_every_arm_reads_them(tmp_path
         run_arm(spec, name, log=logs.append)
         assert (spec.output_dir / name / "head" / "config.json").is_file()
     # an arm whose data differ from the dump's is refused by the recipe, and the error says why
-    with pytest.raises(RuntimeError, match=r"(?s)arm 'longer' failed .*holds other tokens than the training set's"):
+    with pytest.raises(
+        RuntimeError, match=r"(?s)arm 'longer' failed .*holds other tokens than the training set's"
+    ):
         run_arm(spec, "longer", log=logs.append)
     assert "Offline: every arm read" in render(spec, [], seconds)
     assert "Offline" not in render(load_spec(_spec_file(tmp_path)), [])
