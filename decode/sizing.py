@@ -258,29 +258,37 @@ def batch_policy(
             (`decode.calibrate.measure_batch_propose_cost`).
         dynamic, budgets, depths, top_ks: as `size_tree`.
     """
-    choices = {}
-    for batch, costs in sorted(verify_cost.items()):
+    _check_plain_costs(verify_cost)
+    grid = {"dynamic": dynamic, "budgets": budgets, "depths": depths, "top_ks": top_ks}
+    return {
+        batch: _choose(acceptance, batch, costs, propose_cost, grid)[0]
+        for batch, costs in sorted(verify_cost.items())
+    }
+
+
+def _check_plain_costs(verify_cost: dict[int, dict[int, float]]) -> None:
+    for batch, costs in verify_cost.items():
         if 1 not in costs:
             raise ValueError(
                 f"batch {batch}: no plain-decoding cost (n = 1) among the measured sizes {costs}"
             )
-        candidates = size_tree(
-            acceptance,
-            costs,
-            lambda n, d, k, b=batch: propose_cost(b, n, d, k),
-            dynamic=dynamic,
-            budgets=budgets,
-            depths=depths,
-            top_ks=top_ks,
-        )
-        plain = batch / costs[1]
-        best = candidates[0] if candidates else None
-        speed = batch * best.tokens_per_second if best is not None else 0.0
-        if best is None or speed <= plain:
-            choices[batch] = BatchChoice(batch, None, plain, plain)
-        else:
-            choices[batch] = BatchChoice(batch, best, speed, plain)
-    return choices
+
+
+def _choose(
+    acceptance: Sequence[Sequence[float]],
+    batch: int,
+    costs: dict[int, float],
+    propose_cost: Callable[[int, int, int, int], float],
+    grid: dict,
+) -> tuple[BatchChoice, Candidate | None]:
+    """`batch_policy`'s pick at one batch size, and the best candidate tree even where plain decoding wins."""
+    candidates = size_tree(acceptance, costs, lambda n, d, k: propose_cost(batch, n, d, k), **grid)
+    plain = batch / costs[1]
+    best = candidates[0] if candidates else None
+    speed = batch * best.tokens_per_second if best is not None else 0.0
+    if best is None or speed <= plain:
+        return BatchChoice(batch, None, plain, plain), best
+    return BatchChoice(batch, best, speed, plain), best
 
 
 def measured_batch(sizes: Sequence[int], batch: int) -> int:
@@ -346,11 +354,7 @@ class AdaptivePolicy:
             raise ValueError(
                 f"refit_every must be >= 1 and probe_every >= 0, got {refit_every}, {probe_every}"
             )
-        for batch, costs in verify_cost.items():
-            if 1 not in costs:
-                raise ValueError(
-                    f"batch {batch}: no plain-decoding cost (n = 1) among the measured sizes {costs}"
-                )
+        _check_plain_costs(verify_cost)
         self.prior = [list(map(float, row)) for row in acceptance]
         self.verify_cost, self.propose_cost = verify_cost, propose_cost
         self.grid = {"dynamic": dynamic, "budgets": budgets, "depths": depths, "top_ks": top_ks}
@@ -358,7 +362,8 @@ class AdaptivePolicy:
         self.refit_every, self.probe_every = refit_every, probe_every
         self.accepted = [[0.0] * len(row) for row in self.prior]
         self.offered = [[0.0] * len(row) for row in self.prior]
-        self.choices: dict[int, BatchChoice] = {}  # per measured batch size, under the current estimate
+        # per measured batch size, under the current estimate: the pick and the best tree (a probe's)
+        self.choices: dict[int, tuple[BatchChoice, Candidate | None]] = {}
         self.since_refit = 0
         self.plain_steps = 0
         self.chosen: Counter = Counter()  # steps per tree handed out (None: plain), probes included
@@ -386,32 +391,23 @@ class AdaptivePolicy:
 
     def choice(self, rows: int) -> BatchChoice:
         """What the current estimate picks for `rows` rows (the nearest measured batch size at or below)."""
+        return self._picked(rows)[0]
+
+    def _picked(self, rows: int) -> tuple[BatchChoice, Candidate | None]:
         batch = measured_batch(list(self.verify_cost), rows)
         if batch not in self.choices:
             self.since_refit = 0
-            picked = batch_policy(
-                self.rates(), {batch: self.verify_cost[batch]}, self.propose_cost, **self.grid
-            )[batch]
-            self.choices[batch] = picked
+            self.choices[batch] = _choose(
+                self.rates(), batch, self.verify_cost[batch], self.propose_cost, self.grid
+            )
         return self.choices[batch]
 
     def __call__(self, rows: int):
-        picked = self.choice(rows)
+        picked, best = self._picked(rows)
         tree = picked.tree
         if tree is None:
             self.plain_steps += 1
-            if self.probe_every and self.plain_steps % self.probe_every == 0:
-                tree = self._best_candidate(rows)
+            if self.probe_every and self.plain_steps % self.probe_every == 0 and best is not None:
+                tree = best.tree  # a probe: the best tree it knows, though plain decoding is predicted faster
         self.chosen[tree] += 1
         return tree
-
-    def _best_candidate(self, rows: int):
-        """The tree the estimate rates best at `rows` rows even though plain decoding beats it (a probe)."""
-        batch = measured_batch(list(self.verify_cost), rows)
-        candidates = size_tree(
-            self.rates(),
-            self.verify_cost[batch],
-            lambda n, d, k: self.propose_cost(batch, n, d, k),
-            **self.grid,
-        )
-        return candidates[0].tree if candidates else None
