@@ -4,16 +4,17 @@ with the tree the cost model of decode/sizing.py picks for this head on this mac
 
     python scripts/quickstart.py [--prompts 48] [--steps N] [--eval-prompts 5] [--max-new-tokens 64]
 
-Each stage runs the project's own command (printed first) and is reused when its output exists: the
-committed self-distilled set data/smollm2/regen (2,039 chats, rebuilt by the command in data/SOURCES.md) is
-used when present, else --prompts prompts are regenerated (resumably) into it; a finished head under
+Each stage runs the project's own command (printed first) and is reused when its output exists: the committed
+self-distilled set data/smollm2/regen (2,039 chats, rebuilt by the command in data/SOURCES.md) is used when
+present, else --prompts prompts are regenerated (resumably) into it; a finished head under
 runs/quickstart/head is kept. The head's hyperparameters, its step count and its training chats included, are
 configs/quickstart.yaml (--steps overrides the count); with data.hidden_states: offline there, the job first
 dumps the target's hidden states over those chats into runs/quickstart/states (scripts/dump_hidden_states.py,
-about 1.6 MiB a chat) and every epoch reads them instead of running the target again. The defaults are sized
-for a 2-core CPU: a head trained this briefly on this little data is weaker than a long-trained one (README,
-"Results"). Every decoded output is checked token for token against plain decoding; the speedup is the median
-over prompts of plain decoding's time over speculative decoding's, measured back to back in this process.
+1.3 GiB for the default 1,024 chats) and every epoch reads them instead of running the target again. The
+defaults are sized for a 2-core CPU: a head trained this briefly on this little data is weaker than a long-
+trained one (README, "Results"). Every decoded output is checked token for token against plain decoding; the
+speedup is the median over prompts of plain decoding's time over speculative decoding's, measured back to back
+in this process.
 """
 
 from __future__ import annotations
