@@ -11,10 +11,10 @@ runs/quickstart/head is kept. The head's hyperparameters, its step count and its
 configs/quickstart.yaml (--steps overrides the count); with data.hidden_states: offline there, the job first
 dumps the target's hidden states over those chats into runs/quickstart/states (scripts/dump_hidden_states.py,
 1.3 GiB for the default 1,024 chats) and every epoch reads them instead of running the target again. The
-defaults are sized for a 2-core CPU: a head trained this briefly on this little data is weaker than a long-
-trained one (README, "Results"). Every decoded output is checked token for token against plain decoding; the
-speedup is the median over prompts of plain decoding's time over speculative decoding's, measured back to back
-in this process.
+defaults are sized for a 2-core CPU: a head trained this briefly on this little data is weaker than a
+long-trained one (README, "Results"). Every decoded output is checked token for token against plain decoding;
+the speedup is the median over prompts of plain decoding's time over speculative decoding's, measured back to
+back in this process.
 """
 
 from __future__ import annotations
