@@ -17,11 +17,16 @@ from heads import shipping
 from heads.eagle import EagleConfig, EagleHead
 from heads.io import load_heads, save_heads
 from heads.shipping import CARD, TRAIN_CONFIG, pretrained_dir, ship_head, target_slug
-from train.config import EagleRunConfig, load_config, to_dict
+from heads.target import DEFAULT_TARGET, load_target
+from train.config import EagleRunConfig, MedusaRunConfig, load_config, to_dict
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_YAML = ROOT / "configs" / "tiny_test.yaml"
 TARGET = "org/Tiny-Llama-Instruct"
+# the heads committed for the default target (scripts/ship_head.py): every one is loaded and decoded below
+SHIPPED = sorted(
+    p.parent for p in (ROOT / "pretrained" / target_slug(DEFAULT_TARGET)).glob("*/model.safetensors")
+)
 
 
 @pytest.fixture
@@ -150,3 +155,32 @@ def test_train_config_of_a_shipped_head_is_valid_yaml(tmp_path, trained):
     _, _, src = trained
     dest = ship_head(src, "eagle3", command="x", root=tmp_path / "pre")
     assert yaml.safe_load((dest / TRAIN_CONFIG).read_text())["train"]["output_dir"]
+
+
+def test_the_default_target_has_a_shipped_eagle3_head():
+    assert "eagle3" in [p.name for p in SHIPPED]
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("folder", SHIPPED, ids=lambda p: p.name)
+def test_committed_head_loads_against_the_default_target_and_decodes_as_the_target(folder):
+    """What the repository ships: half precision under 25 MB, accepted by the real target's checks, and
+    drafting well enough on a held-out chat prompt (a head of noise stays near tau 1) without changing a
+    token of greedy decoding."""
+    from decode import generate
+    from decode.benchmark import load_prompts, prompt_ids
+
+    weights = load_file(folder / "model.safetensors")
+    assert (folder / "model.safetensors").stat().st_size <= 25 * 2**20
+    assert {v.dtype for v in weights.values() if v.is_floating_point()} <= {torch.bfloat16, torch.float16}
+    assert "Trained by:" in (folder / CARD).read_text()
+    run_config = EagleRunConfig if folder.name.startswith("eagle") else MedusaRunConfig
+    assert load_config(run_config, folder / TRAIN_CONFIG, []).model.target == DEFAULT_TARGET
+    model, tokenizer = load_target(DEFAULT_TARGET)
+    heads = load_heads(folder, target=model)
+    prompts, _ = load_prompts(ROOT / "data" / "smollm2", 1, 0)
+    ids = prompt_ids(tokenizer, prompts["chat"][0])
+    plain = generate(model, ids, None, max_new_tokens=32)
+    spec = generate(model, ids, heads, max_new_tokens=32)
+    assert torch.equal(spec.sequences, plain.sequences)
+    assert spec.tau > 1.5, f"{folder.name}: tau {spec.tau:.2f} on a held-out chat prompt"
