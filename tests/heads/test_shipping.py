@@ -13,6 +13,8 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from decode import generate
+from decode.benchmark import load_prompts, prompt_ids
 from heads import shipping
 from heads.eagle import EagleConfig, EagleHead
 from heads.io import load_heads, save_heads
@@ -167,9 +169,6 @@ def test_committed_head_loads_against_the_default_target_and_decodes_as_the_targ
     """What the repository ships: half precision under 25 MB, accepted by the real target's checks, and
     drafting well enough on a held-out chat prompt (a head of noise stays near tau 1) without changing a
     token of greedy decoding."""
-    from decode import generate
-    from decode.benchmark import load_prompts, prompt_ids
-
     weights = load_file(folder / "model.safetensors")
     assert (folder / "model.safetensors").stat().st_size <= 25 * 2**20
     assert {v.dtype for v in weights.values() if v.is_floating_point()} <= {torch.bfloat16, torch.float16}
