@@ -10,6 +10,7 @@ every speculative reply is compared with the plain one."""
 from __future__ import annotations
 
 import statistics
+import sys
 from collections import Counter
 from collections.abc import Sequence
 from functools import partial
@@ -106,6 +107,11 @@ def batch_benchmark(
                     if name == "adaptive" and round_ == 0:
                         adaptive_steps.update(spec.chosen)
                 speeds[name].append(tokens / seconds)
+                print(  # minutes per batch size on a CPU: say where the run is
+                    f"batch {batch}, round {round_ + 1}/{max(repeats, 1)}, {name}: {tokens / seconds:.1f} tok/s",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 replies[name] = row_replies
                 taus[name] = statistics.mean(row_taus)
         tok_s = {name: statistics.median(values) for name, values in speeds.items()}

@@ -172,6 +172,11 @@ def batched(args: argparse.Namespace, model, tokenizer, argv: list[str] | None) 
     count = args.batch_prompts or max(args.batch_sizes)
     prompts, calibration = load_prompts(DATA, count, max(args.calibration_prompts, 1))
     ids = [prompt_ids(tokenizer, row) for row in prompts["chat"]]
+    print(
+        f"calibrating the batch policies on {len(calibration)} prompts for batch sizes {args.batch_sizes} ...",
+        file=sys.stderr,
+        flush=True,
+    )
     measured = calibrate_batches(
         model,
         head,

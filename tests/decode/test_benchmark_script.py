@@ -200,6 +200,9 @@ def test_bench_batch_sizes_compares_plain_tree_and_policy_per_batch(
     saved = json.loads((out / "batch.json").read_text())
     assert saved["batches"] == records and "--batch-sizes 1 3" in saved["command"]
     assert (out / "speedup_vs_batch.png").stat().st_size > 1000
-    assert "| 3 |" in (out / "batch.md").read_text() and "| 3 |" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert "| 3 |" in (out / "batch.md").read_text() and "| 3 |" in printed.out
+    assert "calibrating the batch policies on 1 prompts" in printed.err  # progress, on stderr
+    assert "batch 3, round 1/1, adaptive:" in printed.err
     with pytest.raises(SystemExit):
         bench["main"](["--model", str(tiny_target_dir), "--batch-sizes", "2", "--out", str(out)])
