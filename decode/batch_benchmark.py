@@ -108,7 +108,8 @@ def batch_benchmark(
                         adaptive_steps.update(spec.chosen)
                 speeds[name].append(tokens / seconds)
                 print(  # minutes per batch size on a CPU: say where the run is
-                    f"batch {batch}, round {round_ + 1}/{max(repeats, 1)}, {name}: {tokens / seconds:.1f} tok/s",
+                    f"batch {batch}, round {round_ + 1}/{max(repeats, 1)}, {name}: "
+                    f"{tokens / seconds:.1f} tok/s",
                     file=sys.stderr,
                     flush=True,
                 )

@@ -173,7 +173,8 @@ def batched(args: argparse.Namespace, model, tokenizer, argv: list[str] | None) 
     prompts, calibration = load_prompts(DATA, count, max(args.calibration_prompts, 1))
     ids = [prompt_ids(tokenizer, row) for row in prompts["chat"]]
     print(
-        f"calibrating the batch policies on {len(calibration)} prompts for batch sizes {args.batch_sizes} ...",
+        f"calibrating the batch policies on {len(calibration)} prompts for batch sizes "
+        f"{args.batch_sizes} ...",
         file=sys.stderr,
         flush=True,
     )
