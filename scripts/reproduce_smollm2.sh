@@ -12,8 +12,41 @@
 # over those 2,560. About six hours after the first dump on 2 cores, most of it EAGLE-3. The benchmark decodes
 # with int8 draft heads (the target stays fp32).
 # Logs go to runs/*.log. Needs pip install -e ".[train,bench]".
+#
+# Then the heads shipped in pretrained/smollm2-135m-instruct/ (their cards say what they measured), from their
+# own configs over the 6,599 committed chats; `bash scripts/reproduce_smollm2.sh shipped` runs only this part:
+# one dump (about 40 min here), EAGLE-3 two epochs (about 70 min), Medusa-1 1,000 steps online (about 45 min),
+# the benchmark of both, their cards.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+shipped() {
+    export OMP_NUM_THREADS=2
+    local states=runs/states_ship
+    local eagle3=(configs/eagle3_smollm2_ship.yaml "data.offline_dir=$states")
+    local -A trained=(  # the commands that go on the cards
+        [eagle3]="OMP_NUM_THREADS=2 python train/eagle.py ${eagle3[*]}"
+        [medusa1]="OMP_NUM_THREADS=2 python train/medusa.py configs/medusa1_smollm2_ship.yaml"
+    )
+    mkdir -p runs
+    python scripts/dump_hidden_states.py "${eagle3[@]}"
+    python train/eagle.py "${eagle3[@]}" > runs/eagle3_smollm2_ship.log 2>&1
+    python train/medusa.py configs/medusa1_smollm2_ship.yaml > runs/medusa1_smollm2_ship.log 2>&1
+    local bench=results/bench_smollm2_pretrained
+    for name in eagle3 medusa1; do  # shipped, benchmarked from pretrained/, then shipped with the bench's rows
+        python scripts/ship_head.py "runs/${name}_smollm2_ship/head" --name "$name" --command "${trained[$name]}"
+    done
+    python scripts/bench.py --pretrained --prompts 10 --max-new-tokens 64 --temperatures 0 1 --size-tree \
+        --out "$bench"
+    for name in eagle3 medusa1; do
+        python scripts/ship_head.py "runs/${name}_smollm2_ship/head" --name "$name" --command "${trained[$name]}" \
+            --bench "$bench/bench.json"
+    done
+}
+if [[ "${1:-}" == shipped ]]; then
+    shipped
+    exit
+fi
 STATES="${STATES:-runs/states_smollm2}"
 OFFLINE=(data.hidden_states=offline "data.offline_dir=$STATES")
 COMMON=(train.eval_every_steps=0 train.save_every_steps=50 train.per_device_batch_size=8)
@@ -77,3 +110,4 @@ python scripts/bench.py --eagle3 runs/eagle3_smollm2_2560e3/head --eagle1 runs/e
     --medusa1 runs/medusa1_smollm2_e5/head --medusa2 runs/medusa2_smollm2 --prompts 5 --max-new-tokens 64 \
     --temperatures 0 1 --size-tree --eagle3-tree 6 6 20 --eagle3-tree 7 6 24 --eagle3-tree 8 8 32 \
     --medusa1-tree 32 --int8-draft --out results/bench_smollm2
+shipped
