@@ -335,7 +335,8 @@ def generate_batch(
             (plain decoding for that step), asked every step (`decode.sizing.policy_tree` over
             `batch_policy`'s choices), so the tree follows the batch as sequences finish. A policy with an
             `observe(accepted, offered)` method (`decode.sizing.AdaptivePolicy`) is told, after every
-            speculative step, the step's acceptance per (depth, rank) summed over its rows.
+            speculative step, the step's acceptance per (depth, rank) summed over its rows; one with a
+            `record_time(seconds)` method is told every step's wall time.
         pad_token_id: what pads the replies in `sequences`.
         batch_draft: draft every row's tree in one head forward per level (`decode.batch_draft`; EAGLE and
             Medusa heads); False drafts row by row, one drafter each (what a list of drafters always does).
@@ -404,6 +405,7 @@ def generate_batch(
             {"steps": 0, "emitted": 0, "per_depth": [], "ranks": [], "offered": []} for _ in range(batch)
         ]
         observe = getattr(tree, "observe", None) if callable(tree) else None
+        record_time = getattr(tree, "record_time", None) if callable(tree) else None
         rows = [r for r in range(batch) if not (generated[r][0] in eos or max_new_tokens == 1)]
         prompt = input_ids.to(model.device)
         # what each row's drafter has yet to take in: (features, next tokens) of its accepted positions. The
@@ -431,11 +433,20 @@ def generate_batch(
             for r in rows:
                 pending[r].clear()
 
+        drafted_last = False  # whether the last step drafted (the drafters then lag one step behind, no more)
         while rows:
+            step_start = time.perf_counter()
             spec = spec_for(len(rows))  # None: a plain step (the drafters' pending positions wait)
             draws = {"temperature": temperature, "generator": generator, "vocab_size": vocab_size}
+            one_off = (
+                0.0  # a drafter catching up on the prompt or on plain steps: left out of the step's time
+            )
             if spec is not None:
+                caught = time.perf_counter()
                 catch_up()
+                if not drafted_last:
+                    one_off = time.perf_counter() - caught
+            drafted_last = spec is not None
             if together is not None and spec is not None:
                 trees = propose_batch(together, torch.cat([roots[r] for r in rows]), spec, **draws)
             else:
@@ -519,6 +530,8 @@ def generate_batch(
                 if together is not None:
                     together.select(alive)
                 rows = [rows[i] for i in alive]
+            if record_time is not None:  # the step's host read above synchronized: no extra wait here
+                record_time(time.perf_counter() - step_start - one_off)
     synchronize(model.device)
     seconds = time.perf_counter() - start
     replies = [truncate_at_stop(g, eos, max_new_tokens) for g in generated]

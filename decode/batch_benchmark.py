@@ -85,6 +85,7 @@ def batch_benchmark(
         replies: dict[str, list[list[int]]] = {}
         taus: dict[str, float] = {}
         adaptive_steps: Counter = Counter()
+        time_factors: list[tuple[float, float]] = []  # each adaptive group's measured / calibrated seconds
         order = list(runs)
         for round_ in range(max(repeats, 1)):
             for name in order[round_ % len(order) :] + order[: round_ % len(order)]:
@@ -106,6 +107,7 @@ def batch_benchmark(
                     row_taus += out.tau
                     if name == "adaptive" and round_ == 0:
                         adaptive_steps.update(spec.chosen)
+                        time_factors.append((spec.time_scale("plain"), spec.time_scale("spec")))
                 speeds[name].append(tokens / seconds)
                 print(  # minutes per batch size on a CPU: say where the run is
                     f"batch {batch}, round {round_ + 1}/{max(repeats, 1)}, {name}: "
@@ -137,6 +139,10 @@ def batch_benchmark(
             "adaptive_tree": tree_name(
                 max((t for t in adaptive_steps if t is not None), key=adaptive_steps.get, default=None)
             ),
+            # the adaptive policy's step time over the calibrated one at the end of its groups (median over
+            # the groups of the first round), plain and speculative steps: how far calibration was off
+            "adaptive_time_plain": statistics.median(f[0] for f in time_factors),
+            "adaptive_time_spec": statistics.median(f[1] for f in time_factors),
             "identical": all(replies[name] == replies["plain"] for name in runs),
         }
         if rowwise:
@@ -154,7 +160,7 @@ def render_batch(records: list[dict], tree) -> str:
     header += " rows drafting alone |" if rowwise else ""
     header += (
         " policy | policy tok/s | speedup | predicted | adaptive tok/s | speedup | speculated steps (tree) | "
-        "same as plain |"
+        "step time / calibrated (plain, spec) | same as plain |"
     )
     lines = [header, "|" + "---|" * header.count(" |")]
     for r in records:
@@ -167,7 +173,9 @@ def render_batch(records: list[dict], tree) -> str:
             f" {r['policy']} | {r['policy_tok_s']:.1f} | {r['policy_speedup']:.2f}x | "
             f"{r['policy_predicted_speedup']:.2f}x | {r['adaptive_tok_s']:.1f} | "
             f"{r['adaptive_speedup']:.2f}x | "
-            f"{r['adaptive_speculated']:.0%} ({r['adaptive_tree']}) | {'yes' if r['identical'] else 'NO'} |"
+            f"{r['adaptive_speculated']:.0%} ({r['adaptive_tree']}) | "
+            f"{r['adaptive_time_plain']:.2f}, {r['adaptive_time_spec']:.2f} | "
+            f"{'yes' if r['identical'] else 'NO'} |"
         )
         lines.append(line)
     return "\n".join(lines) + "\n"

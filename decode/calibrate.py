@@ -364,7 +364,7 @@ class BatchCalibration:
 
     def adaptive(self, **kwargs) -> AdaptivePolicy:
         """A fresh `decode.sizing.AdaptivePolicy` from these measurements (one per decode: it learns its
-        batch); `kwargs`: its prior_weight, decay, refit_every, probe_every."""
+        batch); `kwargs`: its prior_weight, decay, refit_every, probe_every, time_prior."""
         return AdaptivePolicy(self.acceptance, self.verify_cost, self.propose_cost, **self.grid, **kwargs)
 
 

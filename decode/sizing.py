@@ -280,12 +280,16 @@ def _choose(
     costs: dict[int, float],
     propose_cost: Callable[[int, int, int, int], float],
     grid: dict,
+    plain_scale: float = 1.0,
+    spec_scale: float = 1.0,
 ) -> tuple[BatchChoice, Candidate | None]:
-    """`batch_policy`'s pick at one batch size, and the best candidate tree even where plain decoding wins."""
+    """`batch_policy`'s pick at one batch size, and the best candidate tree even where plain decoding wins.
+    `plain_scale` and `spec_scale` multiply the calibrated seconds of a plain and of a speculative step (what
+    `AdaptivePolicy` measured against what calibration predicted)."""
     candidates = size_tree(acceptance, costs, lambda n, d, k: propose_cost(batch, n, d, k), **grid)
-    plain = batch / costs[1]
+    plain = batch / (costs[1] * plain_scale)
     best = candidates[0] if candidates else None
-    speed = batch * best.tokens_per_second if best is not None else 0.0
+    speed = batch * best.tokens_per_second / spec_scale if best is not None else 0.0
     if best is None or speed <= plain:
         return BatchChoice(batch, None, plain, plain), best
     return BatchChoice(batch, best, speed, plain), best
@@ -322,6 +326,18 @@ class AdaptivePolicy:
     `probe_every`-th plain step it speculates with the best tree it knows (a probe: it may cost a little, and
     it is how a batch that turned predictable gets speculation back).
 
+    It also follows what its steps cost. Calibration measured the costs on a few prompts at a few batch
+    sizes, at one moment of a shared machine; the rows of a batch fall between the measured sizes, and the
+    machine's speed drifts. `generate_batch` tells the policy each step's wall time (`record_time`, from the
+    step's start to the end of its bookkeeping: the step's one host read included, no extra
+    synchronization; a drafter catching up on the prompt or on plain steps is a one-off cost, left out),
+    and the policy keeps two factors, measured over predicted seconds, one for plain and
+    one for speculative steps (each `(time_prior + sum of ratios) / (time_prior + steps)`, decaying as the
+    counts do). It compares speculation with plain decoding through those factors: the trees' ranking among
+    themselves is the calibrated one, but whether to speculate at all follows the measured ratio of the two
+    kinds of step. Plain steps count towards `refit_every` through their time, speculative ones through
+    `observe`.
+
     Args:
         acceptance: a0[d-1][r], the calibrated rates (`rank_acceptance`).
         verify_cost, propose_cost, dynamic, budgets, depths, top_ks: as `batch_policy`.
@@ -329,6 +345,8 @@ class AdaptivePolicy:
         decay: weight of the past per observed step (1: never forget).
         refit_every: observed steps between re-picks of the tree.
         probe_every: plain steps between probes (0: never probe).
+        time_prior: steps the calibrated costs count as in the two time factors (None: ignore `record_time`,
+            decide on the calibrated costs alone).
     """
 
     def __init__(
@@ -345,9 +363,12 @@ class AdaptivePolicy:
         decay: float = 0.9,
         refit_every: int = 2,
         probe_every: int = 16,
+        time_prior: float | None = 4.0,
     ) -> None:
         if prior_weight <= 0:
             raise ValueError(f"prior_weight must be > 0, got {prior_weight}")
+        if time_prior is not None and time_prior <= 0:
+            raise ValueError(f"time_prior must be > 0 (or None), got {time_prior}")
         if not 0 < decay <= 1:
             raise ValueError(f"decay must be in (0, 1], got {decay}")
         if refit_every < 1 or probe_every < 0:
@@ -367,6 +388,10 @@ class AdaptivePolicy:
         self.since_refit = 0
         self.plain_steps = 0
         self.chosen: Counter = Counter()  # steps per tree handed out (None: plain), probes included
+        self.time_prior = time_prior
+        # per kind of step: [sum of measured / predicted seconds, steps], both decayed
+        self.timed = {"plain": [0.0, 0.0], "spec": [0.0, 0.0]}
+        self.handed: tuple[str, float] | None = None  # the last step handed out: its kind, predicted seconds
 
     def rates(self) -> list[list[float]]:
         """The current estimate a[d-1][r]."""
@@ -389,6 +414,30 @@ class AdaptivePolicy:
         if self.since_refit >= self.refit_every:
             self.choices.clear()  # re-picked when next asked
 
+    def time_scale(self, kind: str) -> float:
+        """Measured over calibrated seconds of a `kind` ("plain" or "spec") step, as estimated so far (1.0
+        without timing)."""
+        if self.time_prior is None:
+            return 1.0
+        ratios, steps = self.timed[kind]
+        return (self.time_prior + ratios) / (self.time_prior + steps)
+
+    def record_time(self, seconds: float) -> None:
+        """The wall time of the step just taken with what the policy last handed out (`generate_batch` calls
+        it after every step)."""
+        handed, self.handed = self.handed, None
+        if self.time_prior is None or handed is None or not seconds > 0:
+            return
+        kind, predicted = handed
+        for counts in self.timed.values():
+            counts[:] = [value * self.decay for value in counts]
+        self.timed[kind][0] += seconds / predicted
+        self.timed[kind][1] += 1
+        if kind == "plain":  # a speculative step counted already, through `observe`
+            self.since_refit += 1
+            if self.since_refit >= self.refit_every:
+                self.choices.clear()
+
     def choice(self, rows: int) -> BatchChoice:
         """What the current estimate picks for `rows` rows (the nearest measured batch size at or below)."""
         return self._picked(rows)[0]
@@ -398,7 +447,13 @@ class AdaptivePolicy:
         if batch not in self.choices:
             self.since_refit = 0
             self.choices[batch] = _choose(
-                self.rates(), batch, self.verify_cost[batch], self.propose_cost, self.grid
+                self.rates(),
+                batch,
+                self.verify_cost[batch],
+                self.propose_cost,
+                self.grid,
+                self.time_scale("plain"),
+                self.time_scale("spec"),
             )
         return self.choices[batch]
 
@@ -410,4 +465,9 @@ class AdaptivePolicy:
             if self.probe_every and self.plain_steps % self.probe_every == 0 and best is not None:
                 tree = best.tree  # a probe: the best tree it knows, though plain decoding is predicted faster
         self.chosen[tree] += 1
+        if tree is None:
+            self.handed = ("plain", self.verify_cost[measured_batch(list(self.verify_cost), rows)][1])
+        else:
+            spec = picked.candidate if picked.candidate is not None else best
+            self.handed = ("spec", spec.verify_seconds + spec.propose_seconds)
         return tree

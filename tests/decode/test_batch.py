@@ -287,7 +287,7 @@ def test_batch_verify_costs_are_measured_per_batch_size_and_leave_no_trace(build
 def test_an_adaptive_policy_sees_every_rows_acceptance_and_turns_speculation_off(build_target):
     """A random EAGLE-3 head (it drafts almost nothing the target takes) under an `AdaptivePolicy` calibrated
     as if it drafted well: the policy starts with a tree, is told each step's counts (summed, they are the
-    rows' own), switches to plain steps, probes, and the replies stay plain decoding's."""
+    rows' own) and time, switches to plain steps, probes, and the replies stay plain decoding's."""
     from decode.sizing import AdaptivePolicy
 
     model = build_target("mistral")
@@ -309,15 +309,19 @@ def test_an_adaptive_policy_sees_every_rows_acceptance_and_turns_speculation_off
         decay=1.0,
         refit_every=1,
         probe_every=4,
+        time_prior=None,  # decide on the calibrated costs alone: the steps' times would make it machine-bound
     )
-    seen = []
-    observe = policy.observe
+    seen, timed = [], []
+    observe, record_time = policy.observe, policy.record_time
     policy.observe = lambda accepted, offered: (seen.append((accepted, offered)), observe(accepted, offered))
+    policy.record_time = lambda seconds: (timed.append(seconds), record_time(seconds))
     out = generate_batch(model, ids, mask, head, max_new_tokens=24, eos_token_id=[], tree=policy)
     plain = generate_batch(model, ids, mask, None, max_new_tokens=24, eos_token_id=[])
     assert out.replies == plain.replies
     assert policy.chosen[None] >= 8 and sum(t is not None for t in policy.chosen.elements()) >= 3
     assert len(seen) == sum(t is not None for t in policy.chosen.elements())  # one call per drafted step
+    assert len(timed) == sum(policy.chosen.values()) == out.target_forwards - 1  # one per step, plain too
+    assert all(seconds > 0 for seconds in timed)
     assert _pooled([o for _, o in seen]) == _pooled(out.offered_ranks) and _pooled(out.offered_ranks)
     assert _pooled([a for a, _ in seen]) == _pooled(out.accepted_ranks)
 

@@ -197,6 +197,7 @@ def test_bench_batch_sizes_compares_plain_tree_and_policy_per_batch(
     assert all(r[name] > 0 for r in records for name in speeds)
     assert all(r["policy"] == "plain" or r["policy"].startswith("static(") for r in records)
     assert all(0 <= r["adaptive_speculated"] <= 1 for r in records)
+    assert all(r["adaptive_time_plain"] > 0 and r["adaptive_time_spec"] > 0 for r in records)
     saved = json.loads((out / "batch.json").read_text())
     assert saved["batches"] == records and "--batch-sizes 1 3" in saved["command"]
     assert (out / "speedup_vs_batch.png").stat().st_size > 1000

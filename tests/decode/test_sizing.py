@@ -229,6 +229,60 @@ def test_adaptive_policy_refits_only_every_few_steps_and_refuses_bad_settings():
             _adaptive(**bad)
 
 
+def test_adaptive_policy_follows_what_its_steps_cost():
+    """Calibration says plain decoding wins at B = 4 (verifying 2-8 tokens costs 4x one token); a probe's
+    speculative step takes half its calibrated time, so the policy speculates from then on, until its
+    speculative steps take 3x their calibrated time and it decodes plainly again. Without timing it never
+    leaves plain decoding but for its probes."""
+    from decode.sizing import AdaptivePolicy
+
+    def policy(**kwargs):
+        costs = {1: 0.010, **{n: 0.040 for n in (2, 4, 8)}}
+        return AdaptivePolicy(
+            [[0.8, 0.3], [0.8, 0.3], [0.8]],
+            {4: costs},
+            lambda b, n, d, k: 0.0005 * d,
+            dynamic=True,
+            budgets=range(1, 8),
+            depths=[1, 2, 3],
+            top_ks=[1, 2],
+            prior_weight=1.0,
+            decay=1.0,
+            refit_every=1,
+            probe_every=2,
+            **kwargs,
+        )
+
+    timed = policy(time_prior=1.0)
+    assert timed(4) is None and timed.choice(4).speedup == pytest.approx(1.0)
+    timed.record_time(0.010)  # a plain step as calibrated
+    assert timed.time_scale("plain") == pytest.approx(1.0) and timed.time_scale("spec") == 1.0
+    probe = timed(4)  # every second plain step is a probe
+    assert probe is not None
+    _, best = timed._picked(4)
+    predicted = best.verify_seconds + best.propose_seconds
+    timed.observe([], [])  # the probe's counts (none here: the rates stay the calibrated ones)
+    timed.record_time(0.5 * predicted)
+    assert timed.time_scale("spec") == pytest.approx(0.75)
+    assert timed(4) == probe and timed.choice(4).speedup > 1.0  # speculation now pays
+    timed.observe([], [])
+    timed.record_time(3 * predicted)  # the speculative step turns slow
+    timed.record_time(3 * predicted)  # no step handed out since: not counted
+    assert timed.time_scale("spec") == pytest.approx((1 + 0.5 + 3) / 3)
+    assert timed(4) is None  # plain again
+    assert timed.chosen[None] == 2 and timed.chosen[probe] == 2
+
+    untimed = policy(time_prior=None)
+    for step in range(6):
+        tree = untimed(4)
+        assert (tree is None) == (step % 2 == 0)  # plain, then a probe, again and again
+        untimed.observe([], [])
+        untimed.record_time(0.1 if tree is not None else 0.010)
+    assert untimed.time_scale("spec") == 1.0 and untimed.choice(4).tree is None
+    with pytest.raises(ValueError, match="time_prior must be > 0"):
+        policy(time_prior=0.0)
+
+
 def test_tally_ranks_counts_what_the_accepted_path_offered_and_took():
     from decode.accept import tally_ranks
 
