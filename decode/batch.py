@@ -435,17 +435,18 @@ def generate_batch(
 
         drafted_last = False  # whether the last step drafted (the drafters then lag one step behind, no more)
         while rows:
-            step_start = time.perf_counter()
             spec = spec_for(len(rows))  # None: a plain step (the drafters' pending positions wait)
+            step_start = time.perf_counter()  # after the policy's pick: its search is not a step's cost
             draws = {"temperature": temperature, "generator": generator, "vocab_size": vocab_size}
-            one_off = (
-                0.0  # a drafter catching up on the prompt or on plain steps: left out of the step's time
-            )
-            if spec is not None:
-                caught = time.perf_counter()
+            if spec is not None and record_time is not None and not drafted_last:
+                # a drafter catching up on the prompt or on plain steps: a one-off cost, left out of the
+                # step's time (waited for on both sides, so a GPU's queued work does not leak into it)
+                synchronize(model.device)
                 catch_up()
-                if not drafted_last:
-                    one_off = time.perf_counter() - caught
+                synchronize(model.device)
+                step_start = time.perf_counter()
+            elif spec is not None:
+                catch_up()
             drafted_last = spec is not None
             if together is not None and spec is not None:
                 trees = propose_batch(together, torch.cat([roots[r] for r in rows]), spec, **draws)
@@ -531,7 +532,7 @@ def generate_batch(
                     together.select(alive)
                 rows = [rows[i] for i in alive]
             if record_time is not None:  # the step's host read above synchronized: no extra wait here
-                record_time(time.perf_counter() - step_start - one_off)
+                record_time(time.perf_counter() - step_start)
     synchronize(model.device)
     seconds = time.perf_counter() - start
     replies = [truncate_at_stop(g, eos, max_new_tokens) for g in generated]

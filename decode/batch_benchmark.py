@@ -85,7 +85,8 @@ def batch_benchmark(
         replies: dict[str, list[list[int]]] = {}
         taus: dict[str, float] = {}
         adaptive_steps: Counter = Counter()
-        time_factors: list[tuple[float, float]] = []  # each adaptive group's measured / calibrated seconds
+        time_factors: dict[str, list[float]] = {"plain": [], "spec": []}  # per adaptive group that took
+        # steps of that kind: its estimate of measured over calibrated seconds, at the group's end
         order = list(runs)
         for round_ in range(max(repeats, 1)):
             for name in order[round_ % len(order) :] + order[: round_ % len(order)]:
@@ -107,7 +108,9 @@ def batch_benchmark(
                     row_taus += out.tau
                     if name == "adaptive" and round_ == 0:
                         adaptive_steps.update(spec.chosen)
-                        time_factors.append((spec.time_scale("plain"), spec.time_scale("spec")))
+                        for kind, factors in time_factors.items():
+                            if spec.timed[kind][1] > 0:
+                                factors.append(spec.time_scale(kind))
                 speeds[name].append(tokens / seconds)
                 print(  # minutes per batch size on a CPU: say where the run is
                     f"batch {batch}, round {round_ + 1}/{max(repeats, 1)}, {name}: "
@@ -139,10 +142,13 @@ def batch_benchmark(
             "adaptive_tree": tree_name(
                 max((t for t in adaptive_steps if t is not None), key=adaptive_steps.get, default=None)
             ),
-            # the adaptive policy's step time over the calibrated one at the end of its groups (median over
-            # the groups of the first round), plain and speculative steps: how far calibration was off
-            "adaptive_time_plain": statistics.median(f[0] for f in time_factors),
-            "adaptive_time_spec": statistics.median(f[1] for f in time_factors),
+            # the adaptive policy's estimate of its step time over the calibrated one, plain and speculative
+            # steps (median over the groups of the first round that took such steps; None: none did). Its
+            # prior (`time_prior` steps at 1.0) pulls it towards 1: calibration was off by at least that much
+            **{
+                f"adaptive_time_{kind}": statistics.median(factors) if factors else None
+                for kind, factors in time_factors.items()
+            },
             "identical": all(replies[name] == replies["plain"] for name in runs),
         }
         if rowwise:
@@ -174,11 +180,15 @@ def render_batch(records: list[dict], tree) -> str:
             f"{r['policy_predicted_speedup']:.2f}x | {r['adaptive_tok_s']:.1f} | "
             f"{r['adaptive_speedup']:.2f}x | "
             f"{r['adaptive_speculated']:.0%} ({r['adaptive_tree']}) | "
-            f"{r['adaptive_time_plain']:.2f}, {r['adaptive_time_spec']:.2f} | "
+            f"{_factor(r['adaptive_time_plain'])}, {_factor(r['adaptive_time_spec'])} | "
             f"{'yes' if r['identical'] else 'NO'} |"
         )
         lines.append(line)
     return "\n".join(lines) + "\n"
+
+
+def _factor(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def plot_batch(records: list[dict], out: Path) -> Path:

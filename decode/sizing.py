@@ -328,21 +328,21 @@ class AdaptivePolicy:
 
     It also follows what its steps cost. Calibration measured the costs on a few prompts at a few batch
     sizes, at one moment of a shared machine; the rows of a batch fall between the measured sizes, and the
-    machine's speed drifts. `generate_batch` tells the policy each step's wall time (`record_time`, from the
-    step's start to the end of its bookkeeping: the step's one host read included, no extra
-    synchronization; a drafter catching up on the prompt or on plain steps is a one-off cost, left out),
-    and the policy keeps two factors, measured over predicted seconds, one for plain and
-    one for speculative steps (each `(time_prior + sum of ratios) / (time_prior + steps)`, decaying as the
-    counts do). It compares speculation with plain decoding through those factors: the trees' ranking among
-    themselves is the calibrated one, but whether to speculate at all follows the measured ratio of the two
-    kinds of step. Plain steps count towards `refit_every` through their time, speculative ones through
-    `observe`.
+    machine's speed drifts. `generate_batch` tells the policy each step's wall time (`record_time`: from after
+    the policy's pick to the end of the step's bookkeeping, its one host read included; a drafter catching
+    up on the prompt or on plain steps is a one-off cost, waited for and left out). The policy keeps two
+    factors, measured over predicted seconds, one for plain and one for speculative steps: each
+    `(time_prior + sum of ratios) / (time_prior + steps)`, where the sum and the steps decay by `decay` per
+    step of their own kind (the prior does not decay). It compares speculation with plain decoding through
+    those factors: the trees' ranking among themselves is the calibrated one, but whether to speculate at
+    all follows the measured times of the two kinds of step. With timing, plain steps count towards
+    `refit_every` through their time; speculative ones count through `observe`.
 
     Args:
         acceptance: a0[d-1][r], the calibrated rates (`rank_acceptance`).
         verify_cost, propose_cost, dynamic, budgets, depths, top_ks: as `batch_policy`.
         prior_weight: offers the calibrated rate counts as, per cell.
-        decay: weight of the past per observed step (1: never forget).
+        decay: weight of the past per observed step, and per timed step of each kind (1: never forget).
         refit_every: observed steps between re-picks of the tree.
         probe_every: plain steps between probes (0: never probe).
         time_prior: steps the calibrated costs count as in the two time factors (None: ignore `record_time`,
@@ -429,10 +429,8 @@ class AdaptivePolicy:
         if self.time_prior is None or handed is None or not seconds > 0:
             return
         kind, predicted = handed
-        for counts in self.timed.values():
-            counts[:] = [value * self.decay for value in counts]
-        self.timed[kind][0] += seconds / predicted
-        self.timed[kind][1] += 1
+        counts = self.timed[kind]  # decayed by its own kind's steps only: plain runs keep the probes' times
+        counts[:] = [counts[0] * self.decay + seconds / predicted, counts[1] * self.decay + 1]
         if kind == "plain":  # a speculative step counted already, through `observe`
             self.since_refit += 1
             if self.since_refit >= self.refit_every:

@@ -326,6 +326,49 @@ def test_an_adaptive_policy_sees_every_rows_acceptance_and_turns_speculation_off
     assert _pooled([a for a, _ in seen]) == _pooled(out.accepted_ranks)
 
 
+def test_a_policy_is_told_each_steps_time_without_the_drafters_one_off_catch_up(build_target, monkeypatch):
+    """A drafter whose every `advance` takes 0.25 s more: the step times a policy is told include it where the
+    drafters lagged one step (the last step drafted), and leave it out where they caught up on the prompt or
+    on plain steps."""
+    import time
+
+    import decode.batch
+
+    model = build_target("qwen2")
+    torch.manual_seed(4)
+    head = EagleHead(EagleConfig.from_target(model.config, "eagle3")).eval()
+    made = decode.batch.make_batch_drafter
+
+    def slow_drafter(*args, **kwargs):
+        drafter = made(*args, **kwargs)
+        advance = drafter.advance
+        drafter.advance = lambda *a, **k: (time.sleep(0.25), advance(*a, **k))[1]
+        return drafter
+
+    monkeypatch.setattr(decode.batch, "make_batch_drafter", slow_drafter)
+    tree = DynamicTree(2, 2, 3)
+
+    class Pattern:  # drafts, drafts, plain, drafts, drafts, plain, ...
+        def __init__(self):
+            self.handed, self.times = [], []
+
+        def __call__(self, rows):
+            self.handed.append(tree if len(self.handed) % 3 != 2 else None)
+            return self.handed[-1]
+
+        def record_time(self, seconds):
+            self.times.append(seconds)
+
+    policy = Pattern()
+    ids, mask = left_padded([torch.tensor([5, 9, 2, 7]), torch.tensor([3, 8])], 0)
+    out = generate_batch(model, ids, mask, head, max_new_tokens=9, eos_token_id=[], tree=policy)
+    plain = generate_batch(model, ids, mask, None, max_new_tokens=9, eos_token_id=[])
+    assert out.replies == plain.replies and len(policy.times) == len(policy.handed) >= 5
+    for step, (handed, seconds) in enumerate(zip(policy.handed, policy.times)):
+        lagging = handed is not None and step % 3 == 1  # the step before drafted: one step to catch up
+        assert (seconds >= 0.25) == lagging, (step, handed, seconds)
+
+
 def _pooled(tables: list[list[list[int]]]) -> dict[tuple[int, int], int]:
     """Counts per (depth, rank) summed over tables (zeros left out)."""
     total: dict[tuple[int, int], int] = {}

@@ -283,6 +283,21 @@ def test_adaptive_policy_follows_what_its_steps_cost():
         policy(time_prior=0.0)
 
 
+def test_adaptive_policy_decays_each_time_factor_by_its_own_steps():
+    """A speculative step measured at 3x its calibrated time, then plain steps: the speculative factor keeps
+    its evidence (plain runs must not bring back a speculation measured to lose), the plain one decays."""
+    policy = _adaptive(prior_weight=1.0, decay=0.5, refit_every=1, probe_every=0, time_prior=1.0)
+    assert policy(4) is not None
+    policy.record_time(3 * policy.handed[1])
+    assert policy.time_scale("spec") == pytest.approx((1 + 3) / 2)
+    for _ in range(3):
+        policy.handed = ("plain", 0.010)
+        policy.record_time(0.020)
+    assert policy.time_scale("spec") == pytest.approx(2.0)
+    weight = 1 + 0.5 + 0.25  # three plain steps at ratio 2, decaying by half per step
+    assert policy.time_scale("plain") == pytest.approx((1 + 2 * weight) / (1 + weight))
+
+
 def test_tally_ranks_counts_what_the_accepted_path_offered_and_took():
     from decode.accept import tally_ranks
 
