@@ -426,7 +426,7 @@ class AdaptivePolicy:
         """The wall time of the step just taken with what the policy last handed out (`generate_batch` calls
         it after every step)."""
         handed, self.handed = self.handed, None
-        if self.time_prior is None or handed is None or not seconds > 0:
+        if self.time_prior is None or handed is None or not (seconds > 0 and handed[1] > 0):
             return
         kind, predicted = handed
         counts = self.timed[kind]  # decayed by its own kind's steps only: plain runs keep the probes' times
