@@ -438,15 +438,16 @@ def generate_batch(
             spec = spec_for(len(rows))  # None: a plain step (the drafters' pending positions wait)
             step_start = time.perf_counter()  # after the policy's pick: its search is not a step's cost
             draws = {"temperature": temperature, "generator": generator, "vocab_size": vocab_size}
-            if spec is not None and record_time is not None and not drafted_last:
+            if spec is not None:
                 # a drafter catching up on the prompt or on plain steps: a one-off cost, left out of the
                 # step's time (waited for on both sides, so a GPU's queued work does not leak into it)
-                synchronize(model.device)
+                one_off = record_time is not None and not drafted_last
+                if one_off:
+                    synchronize(model.device)
                 catch_up()
-                synchronize(model.device)
-                step_start = time.perf_counter()
-            elif spec is not None:
-                catch_up()
+                if one_off:
+                    synchronize(model.device)
+                    step_start = time.perf_counter()
             drafted_last = spec is not None
             if together is not None and spec is not None:
                 trees = propose_batch(together, torch.cat([roots[r] for r in rows]), spec, **draws)

@@ -410,9 +410,14 @@ class AdaptivePolicy:
             for d, row in enumerate(counts[: len(table)]):
                 for r, count in enumerate(row[: len(table[d])]):
                     table[d][r] += count
+        self._count_step()
+
+    def _count_step(self) -> None:
+        """One more step seen since the last pick: every `refit_every` the trees are re-picked when next
+        asked."""
         self.since_refit += 1
         if self.since_refit >= self.refit_every:
-            self.choices.clear()  # re-picked when next asked
+            self.choices.clear()
 
     def time_scale(self, kind: str) -> float:
         """Measured over calibrated seconds of a `kind` ("plain" or "spec") step, as estimated so far (1.0
@@ -432,9 +437,7 @@ class AdaptivePolicy:
         counts = self.timed[kind]  # decayed by its own kind's steps only: plain runs keep the probes' times
         counts[:] = [counts[0] * self.decay + seconds / predicted, counts[1] * self.decay + 1]
         if kind == "plain":  # a speculative step counted already, through `observe`
-            self.since_refit += 1
-            if self.since_refit >= self.refit_every:
-                self.choices.clear()
+            self._count_step()
 
     def choice(self, rows: int) -> BatchChoice:
         """What the current estimate picks for `rows` rows (the nearest measured batch size at or below)."""
@@ -464,7 +467,7 @@ class AdaptivePolicy:
                 tree = best.tree  # a probe: the best tree it knows, though plain decoding is predicted faster
         self.chosen[tree] += 1
         if tree is None:
-            self.handed = ("plain", self.verify_cost[measured_batch(list(self.verify_cost), rows)][1])
+            self.handed = ("plain", self.verify_cost[picked.batch][1])
         else:
             spec = picked.candidate if picked.candidate is not None else best
             self.handed = ("spec", spec.verify_seconds + spec.propose_seconds)

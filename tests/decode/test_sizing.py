@@ -177,14 +177,15 @@ def test_batch_policy_speculates_while_verifying_is_cheap_and_stops_where_it_los
         )
 
 
-def _adaptive(**kwargs):
-    """A policy whose calibrated rates make a tree pay at B = 1 and 4 (verifying 8 tokens costs as 1)."""
+def _adaptive(verify_cost=None, **kwargs):
+    """A policy whose calibrated rates make a tree pay at B = 1 and 4 with the default costs (verifying 8
+    tokens costs as 1)."""
     from decode.sizing import AdaptivePolicy
 
     flat = {n: 0.010 for n in (1, 2, 4, 8)}
     return AdaptivePolicy(
         [[0.8, 0.3], [0.8, 0.3], [0.8]],
-        {1: flat, 4: flat},
+        verify_cost or {1: flat, 4: flat},
         lambda b, n, d, k: 0.0005 * d,
         dynamic=True,
         budgets=range(1, 8),
@@ -234,24 +235,11 @@ def test_adaptive_policy_follows_what_its_steps_cost():
     speculative step takes half its calibrated time, so the policy speculates from then on, until its
     speculative steps take 3x their calibrated time and it decodes plainly again. Without timing it never
     leaves plain decoding but for its probes."""
-    from decode.sizing import AdaptivePolicy
+    costs = {1: 0.010, **{n: 0.040 for n in (2, 4, 8)}}
+    settings = {"prior_weight": 1.0, "decay": 1.0, "refit_every": 1, "probe_every": 2}
 
     def policy(**kwargs):
-        costs = {1: 0.010, **{n: 0.040 for n in (2, 4, 8)}}
-        return AdaptivePolicy(
-            [[0.8, 0.3], [0.8, 0.3], [0.8]],
-            {4: costs},
-            lambda b, n, d, k: 0.0005 * d,
-            dynamic=True,
-            budgets=range(1, 8),
-            depths=[1, 2, 3],
-            top_ks=[1, 2],
-            prior_weight=1.0,
-            decay=1.0,
-            refit_every=1,
-            probe_every=2,
-            **kwargs,
-        )
+        return _adaptive({4: costs}, **settings, **kwargs)
 
     timed = policy(time_prior=1.0)
     assert timed(4) is None and timed.choice(4).speedup == pytest.approx(1.0)
