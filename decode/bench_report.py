@@ -19,7 +19,13 @@ def markdown(headers: list[str], rows: list[list[str]]) -> str:
 def render(results: dict) -> str:
     """bench.md: the setup, one tau / speedup table per temperature (in the order of the rows), and each
     cost-model sizing with its predictions."""
-    weights = "pretransposed for multi-token passes" if results["pretransposed"] else "as loaded"
+    weights = (
+        "in oneDNN's reordered layout for every pass, plain decoding included"
+        if results.get("onednn")
+        else "pretransposed for multi-token passes"
+        if results["pretransposed"]
+        else "as loaded"
+    )
     drafts = "int8 draft heads (EAGLE fc in fp32)" if results.get("int8_draft") else "fp32 draft heads"
     parts = [
         f"Command: `{results['command']}`\n",

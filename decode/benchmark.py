@@ -29,6 +29,7 @@ from decode import (
     prepare,
     tree_label,
 )
+from decode.layout import is_onednn, is_pretransposed
 from decode.timing import synchronize
 from heads import load_heads
 from heads.target import load_target, merge_lora
@@ -397,6 +398,7 @@ def benchmark(
     medusa1_nodes=(),
     pretranspose: bool | None = None,
     int8_draft: bool | None = None,
+    onednn: bool | None = None,
 ) -> dict:
     """The whole benchmark (`scripts/bench.py`): build the methods, size the EAGLE-3 and Medusa-1 trees on the
     calibration prompts (`size_tree`; for Medusa-1 also the best static tree of each of `medusa1_nodes` nodes
@@ -406,11 +408,11 @@ def benchmark(
         model, tokenizer, model_name: the target, its tokenizer, and its name or folder.
         paths: head folders by name, as `build_methods` takes them.
         prompts, calibration_rows: from `load_prompts`.
-        pretranspose, int8_draft: `decode.prepare`'s options, the same for every method (None: where they
-            help on this device).
+        pretranspose, int8_draft, onednn: `decode.prepare`'s options, the same for every method, plain
+            decoding included (None: where they help on this device).
     """
     methods, loaded, targets = build_methods(model, model_name, paths, eagle3_trees)
-    layout = {"pretranspose": pretranspose, "int8_draft": int8_draft}
+    layout = {"pretranspose": pretranspose, "int8_draft": int8_draft, "onednn": onednn}
     results: dict = {
         "model": model_name,
         "threads": torch.get_num_threads(),
@@ -418,7 +420,8 @@ def benchmark(
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "machine": platform.processor() or platform.machine(),
-        "pretransposed": pretranspose is not False,  # where decode.prepare finds it helps
+        "pretransposed": False,  # filled in below: the layout decode.prepare gave the target
+        "onednn": False,
         "int8_draft": [],  # filled in below: the heads decode.prepare made int8
         "rows": [],
         "sizing": {},
@@ -457,5 +460,6 @@ def benchmark(
         layout=layout,
     )
     results["int8_draft"] = sorted(name for name, heads in loaded.items() if is_int8_draft(heads))
+    results["pretransposed"], results["onednn"] = is_pretransposed(model), is_onednn(model)
     results["rows"] = result_rows(tallies, methods)
     return results

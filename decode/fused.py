@@ -5,10 +5,10 @@ and up, and a dozen small module calls around them. A draft level multiplies a h
 each call costs about as much as its weight traffic, and drafting a deep tree pays for every call at every
 level. `FusedEagleStep` computes the same function with the q/k/v weights stacked into one matrix, gate/up
 into another, and plain tensor ops for the norms, rope and attention (SDPA, grouped-query heads read without
-copying them). It works on every form `decode/layout.py` leaves a layer in: fp32 (pretransposed or packed
-copies included) and fbgemm's int8 (the stacked int8 weight keeps each row's scale, so it is the same int8
-matrix). Same inputs, same cache update, same output as the module path up to float rounding: it only changes
-how the draft is computed, never what the target verifies, so decoding stays lossless either way.
+copying them). It works on every form `decode/layout.py` leaves a layer in: fp32 (pretransposed, packed or
+oneDNN copies included) and fbgemm's int8 (the stacked int8 weight keeps each row's scale, so it is the same
+int8 matrix). Same inputs, same cache update, same output as the module path up to float rounding: it only
+changes how the draft is computed, never what the target verifies, so decoding stays lossless either way.
 
 Measured on this project's 2-core CPU (EAGLE-3 head of the default target, int8, both threads, 3 chat prompts
 of 64 tokens, module and fused runs interleaved in one process; median drafting ms per decoding step):
@@ -23,7 +23,9 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from decode.layout import (
     is_int8_linear,
+    is_onednn,
     is_pretransposed,
+    onednn_linears,
     pack_linears,
     packed_rows,
     pretranspose_linears,
@@ -112,6 +114,8 @@ class FusedEagleStep:
         if fp32 and is_pretransposed(head):  # the same fp32 layout as the head's own layers
             pretranspose_linears(self.layers, min_rows=transpose_min_rows(head))
             pack_linears(self.layers, packed_rows(head))
+        if fp32 and is_onednn(head):
+            onednn_linears(self.layers)
 
     @staticmethod
     def _norm(norm: nn.Module, x: Tensor) -> Tensor:
@@ -170,6 +174,7 @@ def _fingerprint(head: EagleHead) -> tuple:
         tuple(id(m) for m in head.modules()),
         is_pretransposed(head),
         packed_rows(head),
+        is_onednn(head),
     )
 
 

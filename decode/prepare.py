@@ -7,7 +7,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from decode.layout import can_int8, can_pack, int8_linears, pack_linears, pretranspose_linears
+from decode.layout import (
+    can_int8,
+    can_onednn,
+    can_pack,
+    drop_onednn,
+    int8_linears,
+    onednn_linears,
+    pack_linears,
+    pretranspose_linears,
+)
 from decode.propose import DRAFT_LM_HEAD, drafter_limits
 from decode.tree import DynamicTree, resolve_tree, verify_rows
 from heads.eagle import EagleHead
@@ -22,34 +31,47 @@ def prepare(
     *,
     pretranspose: bool | None = None,
     int8_draft: bool | None = None,
+    onednn: bool | None = None,
 ) -> nn.Module | None:
     """Apply what the measurements in `decode/layout.py` support for decoding `model` with `heads` and `tree`;
     returns the heads to pass to `generate` (the same object, changed in place).
 
-    On an x86 CPU (MKL and fbgemm present) with an fp32 target: int8 draft weights, pretransposed weight
-    copies for multi-token passes, and MKL-packed weights for the tree's verify row count. Elsewhere (CUDA,
-    other CPUs, half precision) nothing is changed, except that packed weights a prepared model took along
-    to another device or dtype are dropped. Greedy output stays token for token that of plain decoding; int8
+    On a CPU with an fp32 target: oneDNN's reordered fp32 weights for every pass of the target, plain
+    decoding's included (`decode.layout.onednn_linears`; where oneDNN is missing, pretransposed weight copies
+    for multi-token passes and MKL-packed weights for the tree's verify row count instead), and int8 draft
+    weights where fbgemm is present (the draft's layers left in fp32 get the oneDNN copies too). Elsewhere
+    (CUDA, half precision) nothing is changed, except that packed weights a prepared model took along to
+    another device or dtype are dropped. Greedy output stays token for token that of plain decoding; int8
     drafts can only move acceptance. Call it again with another tree before decoding with that tree
     (re-packing takes about 0.2 s on the default target), or after moving the model; the other steps are done
     once.
 
     Args:
         model: the target, in inference use.
-        heads: the draft heads, or a custom `Drafter` (which only sizes the tree); None for plain decoding,
-            which then keeps its one-row passes as they are.
+        heads: the draft heads, or a custom `Drafter` (which only sizes the tree); None for plain decoding
+            (which gets the oneDNN weights too, so that both are measured on the same kernels).
         tree: the tree `generate` will get (None: the heads' default tree).
-        pretranspose: force the weight copies and packing on (True) or off (False); None: where they help.
+        pretranspose: force the MKL weight copies and packing on (True) or off (False); None: where they
+            help and oneDNN is not used.
         int8_draft: force int8 draft weights on or off; None: on where fbgemm's x86 kernels exist.
+        onednn: force oneDNN's reordered weights on or off; None: on for fp32 CPU targets where this torch
+            build has them; False removes copies an earlier call gave.
     """
     fast_cpu = model.device.type == "cpu" and getattr(model, "dtype", None) == torch.float32
     if int8_draft is None:
         int8_draft = fast_cpu and can_int8()
+    if onednn is None:
+        onednn = fast_cpu and can_onednn()
     if pretranspose is None:
-        pretranspose = fast_cpu and can_pack()
+        pretranspose = fast_cpu and can_pack() and not onednn
     head_module = isinstance(heads, nn.Module)  # a custom `decode.propose.Drafter` is left as it is
     if head_module and int8_draft and not is_int8_draft(heads):
         quantize_draft(heads, model)
+    for module in (model, heads) if head_module else (model,):
+        if onednn:
+            onednn_linears(module)  # a head: the layers int8 left in fp32 (EAGLE's fc), or all of an fp32 one
+        elif onednn is False:
+            drop_onednn(module)
     if pretranspose:
         pretranspose_linears(model)
         if head_module:

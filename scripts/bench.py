@@ -81,10 +81,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--repeats", type=int, default=3, help="timing repeats of the cost measurements")
     add("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     add("--seed", type=int, default=0)
-    layout = "keep the loaded weight layout for every method, plain included (decode.prepare)"
+    layout = "keep the loaded weight layout for every method, plain included (no decode.prepare layout)"
     add(
         "--no-pretranspose", dest="pretranspose", action="store_const", const=False, default=None, help=layout
     )
+    mkl = "MKL's transposed and packed weights instead of oneDNN's reordered ones, for every method"
+    add("--no-onednn", dest="onednn", action="store_const", const=False, default=None, help=mkl)
     int8 = "fp32 draft heads (default: int8 where decode.prepare applies them; the target stays fp32)"
     add("--no-int8-draft", dest="int8_draft", action="store_const", const=False, default=None, help=int8)
     add(
@@ -153,6 +155,7 @@ def main(argv: list[str] | None = None) -> dict:
             medusa1_nodes=args.medusa1_tree,
             pretranspose=args.pretranspose,
             int8_draft=args.int8_draft,
+            onednn=False if args.pretranspose is False else args.onednn,
         ),
     }
     report = render(results)

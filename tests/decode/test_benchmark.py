@@ -219,6 +219,8 @@ def test_render_of_a_known_record():
     assert "| **chosen**: best | 2.50 | 14.0 | 2.0 | 1.56x |" in lines
     fp32 = render({**RECORD, "pretransposed": False, "int8_draft": [], "sizing": {}})
     assert "Linear weights as loaded, fp32 draft heads." in fp32 and "Cost-model" not in fp32
+    onednn = render({**RECORD, "onednn": True})
+    assert "Linear weights in oneDNN's reordered layout for every pass, plain decoding included" in onednn
 
 
 def test_result_rows_follow_the_tallies_and_carry_the_tree_labels():

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from decode.layout import can_onednn
 from heads import EagleConfig, EagleHead, MedusaConfig, MedusaHeads, save_heads
 from heads.target import load_target
 
@@ -89,7 +90,10 @@ def test_bench_runs_every_method_and_writes_reports(tmp_path, tiny_target_dir, h
         "speedup_vs_tree.png",
     ]
     assert json.loads((out / "bench.json").read_text())["rows"] == results["rows"]
-    assert results["pretransposed"] and "Linear weights pretransposed" in printed
+    if can_onednn():  # the default layout, plain decoding included
+        assert results["onednn"] and not results["pretransposed"] and "oneDNN's reordered layout" in printed
+    else:
+        assert results["pretransposed"] and "Linear weights pretransposed" in printed
     # the default
     assert results["int8_draft"] == (["eagle1", "eagle3", "medusa1", "medusa2"] if X86_INT8 else [])
     methods = {r["method"] for r in results["rows"]}

@@ -1,6 +1,6 @@
 """decode/fused.py: the fused draft step computes what `EagleHead.forward` computes (fp32, pretransposed,
-packed and int8 layers; causal and tree masks; the cache it leaves), is rebuilt when the head changes, and the
-EAGLE drafter proposes and decodes the same with it as with the module path."""
+packed, oneDNN and int8 layers; causal and tree masks; the cache it leaves), is rebuilt when the head changes,
+and the EAGLE drafter proposes and decodes the same with it as with the module path."""
 
 import copy
 
@@ -9,7 +9,15 @@ import torch
 
 from decode import generate
 from decode.fused import FusedEagleStep, fused_step
-from decode.layout import can_int8, can_pack, pack_linears, pretranspose_linears
+from decode.layout import (
+    can_int8,
+    can_onednn,
+    can_pack,
+    is_onednn,
+    onednn_linears,
+    pack_linears,
+    pretranspose_linears,
+)
 from decode.prepare import quantize_draft
 from decode.propose import EagleDrafter, propose
 from decode.tree import DynamicTree
@@ -41,6 +49,10 @@ def _layout(head: EagleHead, layout: str, target) -> EagleHead:
             if not can_pack():
                 pytest.skip("no MKL packing in this torch build")
             pack_linears(head, 3)
+    elif layout == "onednn":
+        if not can_onednn():
+            pytest.skip("no oneDNN linear kernels in this torch build")
+        onednn_linears(head)
     return head
 
 
@@ -54,10 +66,12 @@ def _inputs(head: EagleHead, rows: int, start: int, seed: int):
     )
 
 
-@pytest.mark.parametrize("layout", ["fp32", "pretransposed", "packed", "int8"])
+@pytest.mark.parametrize("layout", ["fp32", "pretransposed", "packed", "onednn", "int8"])
 @pytest.mark.parametrize("kind", ["eagle3", "eagle1"])
 def test_fused_step_equals_the_module_forward(any_target, kind, layout):
     head = _layout(_head(any_target, kind), layout, any_target)
+    if layout == "onednn":  # the stacked layers take the head's layout
+        assert all(is_onednn(layer) for layer in fused_step(head).layers.values())
     step = fused_step(head)
     caches = DraftCache(), DraftCache()
     with torch.no_grad():

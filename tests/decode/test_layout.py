@@ -1,8 +1,10 @@
-"""decode/layout.py: the transposed weight copy and the MKL-packed weights compute the same products, are
-used only for the row counts they are meant for, live in non-persistent buffers that follow `.to()` (a packed
+"""decode/layout.py: the transposed weight copy and the MKL-packed weights compute the same products, are used
+only for the row counts they are meant for, live in non-persistent buffers that follow `.to()` (a packed
 weight moved off the CPU or cast refuses, naming the layer), and speculative decoding on pretransposed models
-still equals plain decoding token for token. Head-aware steps (int8 drafts, packing per tree) are tested in
-test_prepare.py.
+still equals plain decoding token for token. The oneDNN reordered weights compute the same product for every
+row count, give a row the same bits alone or among others, and are read only while they hold the layer's
+weight (a moved, cast or edited weight, another input dtype or autocast runs `F.linear`). Head-aware steps
+(int8 drafts, packing per tree) are tested in test_prepare.py.
 """
 
 import copy
@@ -13,8 +15,15 @@ from torch import nn
 
 from decode import generate
 from decode.layout import (
+    can_int8,
+    can_onednn,
     can_pack,
+    drop_onednn,
+    int8_linears,
+    is_onednn,
     is_pretransposed,
+    onednn_linears,
+    onednn_weight,
     pack_linears,
     packed_rows,
     packed_weight,
@@ -22,6 +31,7 @@ from decode.layout import (
     transpose_min_rows,
     transposed_weight,
 )
+from decode.tree import DynamicTree
 from heads.eagle import EagleConfig, EagleHead
 
 PROMPT = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(1))
@@ -175,3 +185,75 @@ def test_a_packed_layer_moved_to_another_device_refuses_its_packed_row_count():
         layer(torch.randn(4, 8, device="meta"))
     pack_linears(layer, 4)  # off the CPU: the packed weight is dropped, not rebuilt
     assert packed_rows(layer) is None and layer(torch.randn(4, 8, device="meta")).shape == (4, 6)
+
+
+needs_onednn = pytest.mark.skipif(not can_onednn(), reason="this torch build has no oneDNN linear kernels")
+
+
+@needs_onednn
+@pytest.mark.parametrize("bias", [True, False])
+def test_onednn_linear_computes_the_same_product_and_a_row_the_same_bits_alone(bias):
+    torch.manual_seed(0)
+    layer = nn.Linear(96, 200, bias=bias)
+    inputs = torch.randn(17, 96)
+    expected = nn.functional.linear(inputs, layer.weight, layer.bias)
+    keys = list(layer.state_dict())
+    assert onednn_linears(layer) == 96 * 200 * 4 and is_onednn(layer)
+    assert list(layer.state_dict()) == keys  # the copy is not saved
+    for rows in (1, 2, 5, 13, 17):
+        torch.testing.assert_close(layer(inputs[:rows]), expected[:rows])
+    torch.testing.assert_close(layer(inputs.view(1, 17, 96)), expected[None])  # leading dims kept
+    alone = torch.cat([layer(inputs[i : i + 1]) for i in range(17)])
+    assert torch.equal(alone, layer(inputs))  # what lets verification score a node as plain decoding does
+    assert layer(torch.randn(0, 96)).shape == (0, 200)
+
+
+@needs_onednn
+def test_onednn_copy_is_read_only_while_it_holds_the_weight():
+    torch.manual_seed(0)
+    layer = nn.Linear(16, 12)
+    inputs = torch.randn(5, 16)
+    onednn_linears(layer)
+    copy_before = onednn_weight(layer)
+    assert onednn_linears(layer) == 16 * 12 * 4 and onednn_weight(layer) is copy_before  # idempotent
+    with torch.no_grad():
+        layer.weight.mul_(-1)  # edited in place: the copy is stale and must not be read
+    assert onednn_weight(layer) is None and not is_onednn(layer)
+    torch.testing.assert_close(layer(inputs), nn.functional.linear(inputs, layer.weight, layer.bias))
+    onednn_linears(layer)  # a new copy of the edited weight
+    assert onednn_weight(layer) is not None and onednn_weight(layer) is not copy_before
+    torch.testing.assert_close(layer(inputs), nn.functional.linear(inputs, layer.weight, layer.bias))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast: bf16 like any Linear
+        assert layer(inputs).dtype == torch.bfloat16
+    layer.to(torch.float64)  # cast: the copy (fp32, opaque) stays behind, unused
+    assert onednn_weight(layer) is None
+    torch.testing.assert_close(
+        layer(inputs.double()), nn.functional.linear(inputs.double(), layer.weight, layer.bias)
+    )
+    assert onednn_linears(layer) == 0  # not fp32: nothing new
+    layer.to(torch.float32)
+    onednn_linears(layer)
+    assert drop_onednn(layer) == 1 and not is_onednn(layer) and drop_onednn(layer) == 0
+    torch.testing.assert_close(layer(inputs), nn.functional.linear(inputs, layer.weight, layer.bias))
+
+
+@needs_onednn
+@pytest.mark.skipif(not can_int8(), reason="this torch build has no x86 quantized engine")
+def test_onednn_leaves_int8_layers_alone():
+    module = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    int8_linears(module, skip=("1",))
+    assert onednn_linears(module) == 8 * 4 * 4  # the fp32 layer only
+    assert onednn_weight(module[1]) is not None and module(torch.randn(3, 8)).shape == (3, 4)
+
+
+@needs_onednn
+@pytest.mark.parametrize("tree", ["tree8", "dynamic"])
+def test_greedy_speculative_decoding_on_onednn_models_equals_plain(any_target, tree, rank_oracle):
+    tree = DynamicTree(depth=4, top_k=3, total_tokens=9) if tree == "dynamic" else tree
+    plain = generate(any_target, PROMPT, max_new_tokens=48).sequences  # the oracle knows 8 tokens more
+    target = copy.deepcopy(any_target)
+    assert onednn_linears(target) > 0
+    assert generate(target, PROMPT, max_new_tokens=40).sequences.tolist() == plain[:, :47].tolist()
+    head = rank_oracle(plain[0].tolist(), 128, [1 / 3] * 3)
+    out = generate(target, PROMPT, head, max_new_tokens=40, tree=tree)
+    assert out.sequences.tolist() == plain[:, : PROMPT.shape[1] + 40].tolist() and out.tau > 1.5

@@ -1,6 +1,7 @@
-"""decode/prepare.py: `prepare` readies a target and its heads on this CPU (int8 draft, pretransposed and
-packed weights), keeps greedy output that of plain decoding, re-packs only on a new tree, and changes nothing
-for a model off the CPU or not fp32; `quantize_draft` (int8 drafts) and `pack_for_tree` (packing per tree)."""
+"""decode/prepare.py: `prepare` readies a target and its heads on this CPU (int8 draft, oneDNN reordered
+weights; or, with onednn=False, MKL pretransposed and packed weights), keeps greedy output that of plain
+decoding, re-packs only on a new tree, and changes nothing for a model off the CPU or not fp32;
+`quantize_draft` (int8 drafts) and `pack_for_tree` (packing per tree)."""
 
 import copy
 import importlib
@@ -12,8 +13,11 @@ from torch import nn
 from decode import DEFAULT_EAGLE_TREE, generate, prepare
 from decode.layout import (
     can_int8,
+    can_onednn,
     can_pack,
+    is_onednn,
     is_pretransposed,
+    onednn_weight,
     packed_rows,
     packed_weight,
     pretranspose_linears,
@@ -31,6 +35,7 @@ TREE = DynamicTree(depth=4, top_k=3, total_tokens=8)
 needs_mkl = pytest.mark.skipif(not can_pack(), reason="this torch build has no MKL packed sgemm")
 needs_fbgemm = pytest.mark.skipif(not can_int8(), reason="this torch build has no x86 quantized engine")
 x86 = pytest.mark.skipif(not (can_pack() and can_int8()), reason="prepare's CPU steps need MKL and fbgemm")
+onednn_x86 = pytest.mark.skipif(not (can_onednn() and can_int8()), reason="needs oneDNN and fbgemm")
 
 
 def _eagle3(target, seed: int = 0) -> EagleHead:
@@ -47,12 +52,12 @@ def _linears(module: nn.Module) -> dict[str, nn.Module]:
 
 
 @x86
-def test_prepare_on_this_cpu_quantizes_the_draft_pretransposes_and_packs_for_the_tree(build_target):
+def test_prepare_without_onednn_quantizes_the_draft_pretransposes_and_packs_for_the_tree(build_target):
     target = copy.deepcopy(build_target("llama"))
     head = _eagle3(target)
     keys = {"target": list(target.state_dict()), "head": list(head.state_dict())}
-    assert prepare(target, head, TREE) is head
-    assert is_int8_draft(head) and is_pretransposed(target)
+    assert prepare(target, head, TREE, onednn=False) is head  # what a CPU without oneDNN gets
+    assert is_int8_draft(head) and is_pretransposed(target) and not is_onednn(target)
     assert all(transposed_weight(layer) is not None for layer in _linears(target).values())
     assert packed_rows(target) == verify_rows(TREE) == 9
     assert list(_linears(head)) == ["fc"]  # int8 but fc (test_int8_draft_logits_stay_close_to_fp32)
@@ -61,17 +66,38 @@ def test_prepare_on_this_cpu_quantizes_the_draft_pretransposes_and_packs_for_the
     assert not any(name.startswith("_selfspec") for name in target.state_dict())
 
 
+@onednn_x86
+def test_prepare_on_this_cpu_gives_target_plain_decoding_and_draft_fc_the_onednn_weights(build_target):
+    target = copy.deepcopy(build_target("llama"))
+    keys = list(target.state_dict())
+    prepare(target, None)  # plain decoding runs on the same kernels as verification
+    assert all(onednn_weight(layer) is not None for layer in _linears(target).values())
+    assert not is_pretransposed(target) and packed_rows(target) is None  # superseded: no MKL copies
+    head = prepare(target, _eagle3(target), TREE)
+    assert is_int8_draft(head) and list(_linears(head)) == ["fc"] and onednn_weight(head.fc) is not None
+    assert list(target.state_dict()) == keys  # the copies are not saved
+    prepare(target, head, TREE, onednn=False)  # off: the copies go, the MKL layout comes back
+    assert not is_onednn(target) and not is_onednn(head) and packed_rows(target) == verify_rows(TREE)
+
+
 @x86
+@pytest.mark.parametrize("onednn", [False, None], ids=["mkl", "default"])
 @pytest.mark.parametrize("tree", [TREE, "tree8"], ids=str)
-def test_greedy_output_after_prepare_equals_plain_decoding(tiny_target, tree, rank_oracle):
+def test_greedy_output_after_prepare_equals_plain_decoding(tiny_target, tree, rank_oracle, onednn):
     plain = generate(tiny_target, PROMPT, max_new_tokens=48).sequences  # the oracle knows 8 tokens more
     target = copy.deepcopy(tiny_target)
-    oracle = rank_oracle(plain[0].tolist(), 128, [1 / 3] * 3)  # long accepted paths: many packed verifies
-    assert prepare(target, oracle, tree) is oracle  # a custom Drafter only sizes the tree
-    assert packed_rows(target) == verify_rows(tree)
+    oracle = rank_oracle(plain[0].tolist(), 128, [1 / 3] * 3)  # long accepted paths: many multi-row verifies
+    assert prepare(target, oracle, tree, onednn=onednn) is oracle  # a custom Drafter only sizes the tree
+    if onednn is False:
+        assert packed_rows(target) == verify_rows(tree)
+    else:
+        assert is_onednn(target) == can_onednn() and packed_rows(target) is None
     out = generate(target, PROMPT, oracle, max_new_tokens=40, tree=tree)
     assert out.sequences.tolist() == plain[:, : PROMPT.shape[1] + 40].tolist() and out.tau > 1.5
-    head = prepare(target, _eagle3(target), tree)  # a real head, int8 and packed
+    assert (
+        generate(target, PROMPT, max_new_tokens=40).sequences.tolist() == out.sequences.tolist()
+    )  # prepared
+    head = prepare(target, _eagle3(target), tree, onednn=onednn)  # a real head, int8
     assert is_int8_draft(head)
     out = generate(target, PROMPT, head, max_new_tokens=40, tree=tree)
     assert out.sequences.tolist() == plain[:, : PROMPT.shape[1] + 40].tolist()
@@ -80,7 +106,7 @@ def test_greedy_output_after_prepare_equals_plain_decoding(tiny_target, tree, ra
 @x86
 def test_a_second_call_with_another_tree_only_repacks(build_target, monkeypatch):
     target = copy.deepcopy(build_target("llama"))
-    head = prepare(target, _eagle3(target), TREE)
+    head = prepare(target, _eagle3(target), TREE, onednn=False)
     layers = {name: (m, transposed_weight(m)) for name, m in _linears(target).items()}
     head_layers = dict(head.named_modules())
     packed = packed_weight(layers["lm_head"][0])
@@ -88,7 +114,7 @@ def test_a_second_call_with_another_tree_only_repacks(build_target, monkeypatch)
     real = prepare_module.pretranspose_linears
     monkeypatch.setattr(prepare_module, "pretranspose_linears", lambda m: added.append(real(m)))
     monkeypatch.setattr(prepare_module, "quantize_draft", lambda *a: pytest.fail("quantized twice"))
-    prepare(target, head, "tree16")
+    prepare(target, head, "tree16", onednn=False)
     assert added == [0, 0]  # target and head: no new copies
     assert {name: (m, transposed_weight(m)) for name, m in _linears(target).items()} == layers
     assert dict(head.named_modules()) == head_layers  # the same int8 layers
@@ -121,13 +147,13 @@ def test_a_prepared_model_cast_to_float64_refuses_its_packed_rows_until_prepared
     target = copy.deepcopy(build_target("llama"))
     plain = generate(copy.deepcopy(target).to(torch.float64), PROMPT, max_new_tokens=24).sequences
     oracle = rank_oracle(plain[0].tolist(), 128, [1.0])
-    prepare(target, oracle, "tree8")
+    prepare(target, oracle, "tree8", onednn=False)
     target.to(torch.float64)  # the transposed copies follow; the packed weights cannot
     assert transposed_weight(target.lm_head).dtype == torch.float64
     refused = r"Linear layer 'model.layers.0.self_attn.q_proj' holds an MKL-packed weight for 9-row inputs"
     with pytest.raises(RuntimeError, match=refused + r".*now on cpu / float64; .* call decode.prepare"):
         generate(target, PROMPT, oracle, max_new_tokens=16, tree="tree8")
-    prepare(target, oracle, "tree8")  # float64: nothing new, and the packed weights are dropped
+    prepare(target, oracle, "tree8", onednn=False)  # float64: nothing new, and the packed weights are dropped
     assert packed_rows(target) is None and is_pretransposed(target)
     oracle = rank_oracle(plain[0].tolist(), 128, [1.0])
     out = generate(target, PROMPT, oracle, max_new_tokens=16, tree="tree8")
