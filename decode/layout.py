@@ -55,9 +55,9 @@ A row's result does not depend on the other rows of its call (measured: a row al
 bitwise the same lm_head output), so verification scores a tree node exactly as plain decoding scores the
 same prefix, where the MKL layouts differ in the last bits. The reordered weight is an opaque mkldnn tensor
 that cannot follow `.to()`; a layer uses it only while its weight is the very tensor it was taken from
-(same storage, no in-place change since) and the input is an fp32 CPU tensor outside autocast. Anything
-else (a moved, cast or edited weight, another dtype, autocast) runs the ordinary `F.linear`, so a stale copy
-is never read.
+(same storage, no in-place change since) and the input is an fp32 CPU tensor outside autocast that needs no
+gradient. Anything else (a moved, cast or edited weight, another dtype, autocast, a pass that autograd
+records) runs the ordinary `F.linear`, so a stale copy is never read and gradients still flow.
 
 The transposed copy is a non-persistent buffer of its layer: `state_dict()` is unchanged, and `.to()` moves
 and casts it with the weight, which keeps it valid wherever it goes (the same values, cast the same way). The
@@ -98,6 +98,7 @@ def _forward(self: nn.Linear, x: Tensor) -> Tensor:
         and x.dtype == torch.float32
         and x.device.type == "cpu"
         and not torch.is_autocast_enabled("cpu")
+        and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))  # no autograd
         and _onednn_valid(self, onednn)
     ):
         out = torch.ops.mkldnn._linear_pointwise(

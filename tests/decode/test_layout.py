@@ -15,6 +15,7 @@ from torch import nn
 
 from decode import generate
 from decode.layout import (
+    _ONEDNN,
     can_int8,
     can_onednn,
     can_pack,
@@ -194,11 +195,17 @@ needs_onednn = pytest.mark.skipif(not can_onednn(), reason="this torch build has
 @pytest.mark.parametrize("bias", [True, False])
 def test_onednn_linear_computes_the_same_product_and_a_row_the_same_bits_alone(bias):
     torch.manual_seed(0)
-    layer = nn.Linear(96, 200, bias=bias)
+    layer = nn.Linear(96, 200, bias=bias).requires_grad_(False)  # frozen, as a target is
     inputs = torch.randn(17, 96)
     expected = nn.functional.linear(inputs, layer.weight, layer.bias)
     keys = list(layer.state_dict())
     assert onednn_linears(layer) == 96 * 200 * 4 and is_onednn(layer)
+    record = layer.__dict__[_ONEDNN]  # poison the copy: a pass that reads it returns the bias alone
+    layer.__dict__[_ONEDNN] = (record[0], torch.ops.mkldnn._reorder_linear_weight(torch.zeros(200, 96), 64))
+    assert torch.equal(
+        layer(inputs[:3]), torch.zeros(3, 200) if layer.bias is None else layer.bias.expand(3, 200)
+    )
+    layer.__dict__[_ONEDNN] = record
     assert list(layer.state_dict()) == keys  # the copy is not saved
     for rows in (1, 2, 5, 13, 17):
         torch.testing.assert_close(layer(inputs[:rows]), expected[:rows])
@@ -211,7 +218,7 @@ def test_onednn_linear_computes_the_same_product_and_a_row_the_same_bits_alone(b
 @needs_onednn
 def test_onednn_copy_is_read_only_while_it_holds_the_weight():
     torch.manual_seed(0)
-    layer = nn.Linear(16, 12)
+    layer = nn.Linear(16, 12).requires_grad_(False)
     inputs = torch.randn(5, 16)
     onednn_linears(layer)
     copy_before = onednn_weight(layer)
@@ -225,6 +232,13 @@ def test_onednn_copy_is_read_only_while_it_holds_the_weight():
     torch.testing.assert_close(layer(inputs), nn.functional.linear(inputs, layer.weight, layer.bias))
     with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast: bf16 like any Linear
         assert layer(inputs).dtype == torch.bfloat16
+    wanted = inputs.clone().requires_grad_(True)  # autograd records the pass: F.linear, gradients flow
+    layer(wanted).sum().backward()
+    torch.testing.assert_close(wanted.grad, layer.weight.sum(0).expand(5, 16))
+    layer.weight.requires_grad_(True)
+    layer(inputs).sum().backward()
+    assert layer.weight.grad is not None
+    layer.weight.requires_grad_(False)
     layer.to(torch.float64)  # cast: the copy (fp32, opaque) stays behind, unused
     assert onednn_weight(layer) is None
     torch.testing.assert_close(
