@@ -11,6 +11,7 @@ from accelerate import Accelerator
 from datasets import Dataset
 from torch.utils.data import DataLoader
 
+from decode.layout import onednn_linears
 from heads.target import load_target
 from train.config import TORCH_DTYPES, DataConfig, ModelConfig, TrainConfig
 from train.data import build_dataset, collate, length_grouped_order, split_eval
@@ -20,15 +21,23 @@ from train.distributed import whole_on_every_rank
 def load_frozen_target(model: ModelConfig, accelerator: Accelerator, whole: bool = True):
     """The target and tokenizer as `model` says (dtype, attention, hub revision), loaded straight onto this
     rank's device. `whole`: keep it unsharded on every rank even under ZeRO-3 (a frozen target is replicated;
-    Medusa-2's LoRA-adapted target instead joins the trained module and may be sharded)."""
+    Medusa-2's LoRA-adapted target instead joins the trained module and may be sharded).
+
+    A whole fp32 target on a CPU gets oneDNN's reordered weights (`decode.layout.onednn_linears`): its
+    no-grad forwards (online features, the offline dump, simulated tau) run 2-2.5x faster per Linear on this
+    project's CPU, at every row count (2,048 rows of (1536, 576): 22.8 ms with MKL, 8.9 with oneDNN). Passes
+    that autograd records (a shared lm_head under a trained head) run `F.linear` as before."""
     with whole_on_every_rank(accelerator) if whole else contextlib.nullcontext():
-        return load_target(
+        target, tokenizer = load_target(
             model.target,
             dtype=TORCH_DTYPES[model.dtype],
             attn_implementation=model.attn_implementation,
             device=accelerator.device,
             revision=model.revision,
         )
+    if whole and target.device.type == "cpu" and target.dtype == torch.float32:
+        onednn_linears(target)
+    return target, tokenizer
 
 
 def expand_files(patterns: list[str]) -> list[str]:

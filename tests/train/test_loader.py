@@ -9,7 +9,9 @@ import pytest
 from datasets import Dataset
 
 import train.loader
-from train.config import EagleRunConfig, MedusaRunConfig, TrainConfig, load_config
+from decode.layout import can_onednn, is_onednn
+from heads.target import load_target
+from train.config import EagleRunConfig, MedusaRunConfig, ModelConfig, TrainConfig, load_config
 from train.distributed import make_accelerator
 from train.loader import epoch_loader, expand_files, steps_per_epoch, total_steps
 
@@ -122,3 +124,13 @@ def test_group_by_length_batches_rows_of_similar_lengths_in_a_resumable_order(
     ungrouped = epoch_loader(rows, cfg.train, plain, 0, 0, accelerator)
     width = sum(batch["input_ids"].shape[1] for batch in ungrouped)
     assert sum(max(lengths[i] for i in b) for b in got) < width  # less padding than the plain order
+
+
+@pytest.mark.parametrize("whole", [True, False])
+def test_a_frozen_fp32_cpu_target_gets_onednn_weights_and_a_trained_one_does_not(tiny_target_dir, whole):
+    cfg = ModelConfig(target=str(tiny_target_dir), dtype="float32")
+    target, _ = train.loader.load_frozen_target(
+        cfg, make_accelerator(TrainConfig(output_dir="unused")), whole
+    )
+    assert is_onednn(target) == (whole and can_onednn())  # Medusa-2's LoRA target (whole=False): untouched
+    assert list(target.state_dict()) == list(load_target(str(tiny_target_dir))[0].state_dict())
