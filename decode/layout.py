@@ -131,8 +131,8 @@ def can_pack() -> bool:
 
 
 def can_onednn() -> bool:
-    """True when this torch build multiplies fp32 Linear layers through oneDNN with reordered weights (x86 and
-    aarch64 CPU wheels do)."""
+    """True when this torch build multiplies fp32 Linear layers through oneDNN with reordered weights (the x86
+    CPU wheels do)."""
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 

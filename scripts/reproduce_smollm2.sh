@@ -15,7 +15,7 @@
 #
 # Then the heads shipped in pretrained/smollm2-135m-instruct/ (their cards say what they measured), from their
 # own configs over the 6,599 committed chats; `bash scripts/reproduce_smollm2.sh shipped` runs only this part:
-# one dump (about 40 min here), EAGLE-3 two epochs (about 70 min), Medusa-1 1,000 steps online (about 45 min),
+# one dump (about 40 min here), EAGLE-3 two epochs (about 70 min), Medusa-1 2,000 steps online (about 36 min),
 # the benchmark of both, their cards.
 set -euo pipefail
 cd "$(dirname "$0")/.."
