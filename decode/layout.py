@@ -55,9 +55,14 @@ A row's result does not depend on the other rows of its call (measured: a row al
 bitwise the same lm_head output), so verification scores a tree node exactly as plain decoding scores the
 same prefix, where the MKL layouts differ in the last bits. The reordered weight is an opaque mkldnn tensor
 that cannot follow `.to()`; a layer uses it only while its weight is the very tensor it was taken from
-(same storage, no in-place change since) and the input is an fp32 CPU tensor outside autocast that needs no
-gradient. Anything else (a moved, cast or edited weight, another dtype, autocast, a pass that autograd
-records) runs the ordinary `F.linear`, so a stale copy is never read and gradients still flow.
+(same storage, no in-place change since; the record holds that storage, so a weight moved or cast away and
+back cannot land on the old address) and the input is an fp32 CPU tensor outside autocast that needs no
+gradient (neither input, weight nor bias). Anything else (a moved, cast or edited weight, another dtype,
+autocast, a pass that autograd records) runs the ordinary `F.linear`, so a stale copy is never read and
+gradients still flow; a stale copy is freed at the layer's next call. One edit goes unseen: writing through
+`weight.data` in place (`w.data += d`) bumps no version counter, so after such an edit call `onednn_linears`
+again with `force=True` (or `drop_onednn`). `heads.target.merge_lora` merges by replacing storage, which is
+seen.
 
 The transposed copy is a non-persistent buffer of its layer: `state_dict()` is unchanged, and `.to()` moves
 and casts it with the weight, which keeps it valid wherever it goes (the same values, cast the same way). The
@@ -80,29 +85,40 @@ from torch import Tensor, nn
 
 _WEIGHT_T = "_selfspec_weight_t"  # buffer: (out, in) view of the (in, out) row-major copy of the weight
 _PACKED = "_selfspec_packed"  # attribute: (rows, MKL's packed form of the fp32 weight for that many rows)
-_ONEDNN = "_selfspec_onednn"  # attribute: ((weight data_ptr, weight version), oneDNN's reordered fp32 weight)
+_ONEDNN = "_selfspec_onednn"  # attribute: (weight it was taken from (detached), its version, reordered copy)
 
 
 def _onednn_valid(layer: nn.Linear, record: tuple) -> bool:
-    """The reordered copy still holds the layer's weight: same storage, no in-place change since."""
-    weight = layer.weight
-    return record[0] == (weight.data_ptr(), weight._version) and _packable(weight)
+    """The reordered copy still holds the layer's weight: same storage, no in-place change since. `record`
+    keeps the source storage alive, so a different storage can never sit at its address."""
+    weight, (source, version, _) = layer.weight, record
+    return weight.data_ptr() == source.data_ptr() and weight._version == version and _packable(weight)
+
+
+def _current_onednn(layer: nn.Linear) -> Tensor | None:
+    """The layer's reordered weight while valid; a stale record is dropped (copy and old storage freed)."""
+    record = layer.__dict__.get(_ONEDNN)
+    if record is None:
+        return None
+    if _onednn_valid(layer, record):
+        return record[2]
+    del layer.__dict__[_ONEDNN]
+    return None
 
 
 def _forward(self: nn.Linear, x: Tensor) -> Tensor:
     rows = x.numel() // x.shape[-1] if x.numel() else 0
-    onednn = self.__dict__.get(_ONEDNN)
+    onednn = _current_onednn(self) if _ONEDNN in self.__dict__ else None
     if (
         onednn is not None
         and rows
         and x.dtype == torch.float32
         and x.device.type == "cpu"
         and not torch.is_autocast_enabled("cpu")
-        and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))  # no autograd
-        and _onednn_valid(self, onednn)
+        and not (torch.is_grad_enabled() and _needs_grad(x, self))  # the kernel has no backward
     ):
         out = torch.ops.mkldnn._linear_pointwise(
-            x.reshape(rows, x.shape[-1]), onednn[1], self.bias, "none", [], ""
+            x.reshape(rows, x.shape[-1]), onednn, self.bias, "none", [], ""
         )
         return out.reshape(*x.shape[:-1], out.shape[-1])
     packed = self.__dict__.get(_PACKED)
@@ -121,6 +137,12 @@ def _forward(self: nn.Linear, x: Tensor) -> Tensor:
     return nn.functional.linear(x, weight, self.bias)
 
 
+def _needs_grad(x: Tensor, layer: nn.Linear) -> bool:
+    return (
+        x.requires_grad or layer.weight.requires_grad or (layer.bias is not None and layer.bias.requires_grad)
+    )
+
+
 def _packable(tensor: Tensor) -> bool:
     return tensor.device.type == "cpu" and tensor.dtype == torch.float32
 
@@ -136,7 +158,7 @@ def can_onednn() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
-def onednn_linears(module: nn.Module, *, rows_hint: int = 64) -> int:
+def onednn_linears(module: nn.Module, *, rows_hint: int = 64, force: bool = False) -> int:
     """Give every fp32 CPU `nn.Linear` under `module` oneDNN's reordered copy of its weight, used for inputs
     of every row count (see the module docstring). Idempotent: a layer whose copy still matches its weight
     keeps it; one whose weight changed since gets a new copy. Other layers (other devices or dtypes, int8)
@@ -144,6 +166,7 @@ def onednn_linears(module: nn.Module, *, rows_hint: int = 64) -> int:
 
     Args:
         module: a frozen target or a draft head.
+        force: take every copy again, also those that look current (after writing weights through `.data`).
         rows_hint: the row count oneDNN picks its blocking for; any count runs. 64 measured best on the
             default target's lm_head from 1 to 17 rows (1 row 2.5 ms, 13 rows 3.0 ms, against 2.8 / 3.8 for
             a hint of 13 and 3.9 / 5.1 for a hint of 1).
@@ -156,12 +179,11 @@ def onednn_linears(module: nn.Module, *, rows_hint: int = 64) -> int:
     for name, layer in module.named_modules():
         if not isinstance(layer, nn.Linear) or not _packable(layer.weight):
             continue
-        current = layer.__dict__.get(_ONEDNN)
-        if current is None or not _onednn_valid(layer, current):
+        if force or _current_onednn(layer) is None:
             with torch.no_grad():
                 weight = layer.weight.detach()
                 copy = torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint)
-            layer.__dict__[_ONEDNN] = ((weight.data_ptr(), layer.weight._version), copy)
+            layer.__dict__[_ONEDNN] = (weight, layer.weight._version, copy)
             layer._selfspec_name = name or type(module).__name__
             layer.forward = types.MethodType(_forward, layer)
         held += layer.weight.numel() * layer.weight.element_size()
@@ -184,9 +206,9 @@ def is_onednn(module: nn.Module) -> bool:
 
 
 def onednn_weight(layer: nn.Module) -> Tensor | None:
-    """The layer's oneDNN reordered weight while it still matches the weight, else None."""
-    record = layer.__dict__.get(_ONEDNN) if isinstance(layer, nn.Linear) else None
-    return record[1] if record is not None and _onednn_valid(layer, record) else None
+    """The layer's oneDNN reordered weight while it still matches the weight, else None (a stale one is
+    dropped)."""
+    return _current_onednn(layer) if isinstance(layer, nn.Linear) else None
 
 
 def pretranspose_linears(module: nn.Module, *, min_rows: int = 4) -> int:
@@ -217,6 +239,17 @@ def pretranspose_linears(module: nn.Module, *, min_rows: int = 4) -> int:
         layer.forward = types.MethodType(_forward, layer)
         added += layer.weight.numel() * layer.weight.element_size()
     return added
+
+
+def drop_pretranspose(module: nn.Module) -> int:
+    """Remove the transposed copies `pretranspose_linears` gave the layers under `module`, and their packed
+    weights; returns how many layers had a copy."""
+    pack_linears(module, None)
+    dropped = 0
+    for layer in module.modules():
+        if isinstance(layer, nn.Linear) and layer._buffers.pop(_WEIGHT_T, None) is not None:
+            dropped += 1
+    return dropped
 
 
 def is_pretransposed(module: nn.Module) -> bool:

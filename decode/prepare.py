@@ -12,6 +12,7 @@ from decode.layout import (
     can_onednn,
     can_pack,
     drop_onednn,
+    drop_pretranspose,
     int8_linears,
     onednn_linears,
     pack_linears,
@@ -52,7 +53,7 @@ def prepare(
             (which gets the oneDNN weights too, so that both are measured on the same kernels).
         tree: the tree `generate` will get (None: the heads' default tree).
         pretranspose: force the MKL weight copies and packing on (True) or off (False); None: where they
-            help and oneDNN is not used.
+            help and oneDNN is not used (with oneDNN on, copies an earlier call made are removed unless True).
         int8_draft: force int8 draft weights on or off; None: on where fbgemm's x86 kernels exist.
         onednn: force oneDNN's reordered weights on or off; None: on for fp32 CPU targets where this torch
             build has them; False removes copies an earlier call gave.
@@ -70,6 +71,8 @@ def prepare(
     for module in (model, heads) if head_module else (model,):
         if onednn:
             onednn_linears(module)  # a head: the layers int8 left in fp32 (EAGLE's fc), or all of an fp32 one
+            if not pretranspose:
+                drop_pretranspose(module)  # an earlier call's MKL copies, which fp32 inputs no longer read
         elif onednn is False:
             drop_onednn(module)
     if pretranspose:

@@ -275,5 +275,9 @@ def merge_lora(model: PreTrainedModel, adapter_dir: str | Path) -> PreTrainedMod
         from peft import PeftModel
     except ImportError as error:
         raise ImportError("merging a LoRA adapter needs peft: pip install -e '.[train]'") from error
-    merged = PeftModel.from_pretrained(model, str(folder), is_trainable=False).merge_and_unload()
+    # safe_merge: each merged weight is a new tensor (a layer's cached copy of the old one, such as
+    # decode.layout's oneDNN weight, sees the change) and a non-finite merge raises
+    merged = PeftModel.from_pretrained(model, str(folder), is_trainable=False).merge_and_unload(
+        safe_merge=True
+    )
     return merged.eval().requires_grad_(False)

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from accelerate.utils import set_seed
 from torch import Tensor, nn
 
+from decode.layout import drop_onednn
 from heads import MedusaConfig, MedusaHeads, load_heads
 from train.checkpoint import EXPORT_DIR, export_head, head_from_state
 from train.config import MedusaRunConfig, MedusaTrainConfig, load_config, to_dict
@@ -311,6 +312,9 @@ def _adapted_copy(cfg: MedusaRunConfig, accelerator, eval_copy: dict, state: dic
             from peft import get_peft_model
 
             target, _ = load_frozen_target(cfg.model, accelerator)
+            drop_onednn(
+                target
+            )  # its weights are overwritten at every evaluation: a cached copy would be stale
             eval_copy["model"] = get_peft_model(target, lora_config(cfg.medusa), autocast_adapter_dtype=True)
         model = eval_copy["model"]
         model.load_state_dict(state, strict=True)

@@ -201,7 +201,7 @@ def test_onednn_linear_computes_the_same_product_and_a_row_the_same_bits_alone(b
     keys = list(layer.state_dict())
     assert onednn_linears(layer) == 96 * 200 * 4 and is_onednn(layer)
     record = layer.__dict__[_ONEDNN]  # poison the copy: a pass that reads it returns the bias alone
-    layer.__dict__[_ONEDNN] = (record[0], torch.ops.mkldnn._reorder_linear_weight(torch.zeros(200, 96), 64))
+    layer.__dict__[_ONEDNN] = (*record[:2], torch.ops.mkldnn._reorder_linear_weight(torch.zeros(200, 96), 64))
     assert torch.equal(
         layer(inputs[:3]), torch.zeros(3, 200) if layer.bias is None else layer.bias.expand(3, 200)
     )
@@ -215,12 +215,17 @@ def test_onednn_linear_computes_the_same_product_and_a_row_the_same_bits_alone(b
     assert layer(torch.randn(0, 96)).shape == (0, 200)
 
 
-@needs_onednn
-def test_onednn_copy_is_read_only_while_it_holds_the_weight():
+def _frozen_onednn_layer() -> tuple[nn.Linear, torch.Tensor]:
+    """A frozen (16 -> 12) layer with its oneDNN copy, and 5 input rows."""
     torch.manual_seed(0)
     layer = nn.Linear(16, 12).requires_grad_(False)
-    inputs = torch.randn(5, 16)
     onednn_linears(layer)
+    return layer, torch.randn(5, 16)
+
+
+@needs_onednn
+def test_onednn_copy_is_read_only_while_it_holds_the_weight():
+    layer, inputs = _frozen_onednn_layer()
     copy_before = onednn_weight(layer)
     assert onednn_linears(layer) == 16 * 12 * 4 and onednn_weight(layer) is copy_before  # idempotent
     with torch.no_grad():
@@ -249,6 +254,34 @@ def test_onednn_copy_is_read_only_while_it_holds_the_weight():
     onednn_linears(layer)
     assert drop_onednn(layer) == 1 and not is_onednn(layer) and drop_onednn(layer) == 0
     torch.testing.assert_close(layer(inputs), nn.functional.linear(inputs, layer.weight, layer.bias))
+
+
+@needs_onednn
+def test_onednn_copy_sees_a_weight_cast_away_and_back_and_is_freed_once_stale():
+    layer, inputs = _frozen_onednn_layer()
+    layer.to(torch.bfloat16).to(torch.float32)  # new storage, rounded values, the same version counter
+    assert _ONEDNN in layer.__dict__
+    torch.testing.assert_close(
+        layer(inputs), nn.functional.linear(inputs, layer.weight, layer.bias), rtol=0, atol=1e-6
+    )  # the rounded weight, not the unrounded copy (which differs by about 1e-3)
+    assert _ONEDNN not in layer.__dict__  # the stale copy was dropped at that call
+
+
+@needs_onednn
+def test_onednn_copy_after_writes_through_data_needs_force():
+    layer, inputs = _frozen_onednn_layer()
+    layer.weight.data.mul_(-1)  # no version bump: documented as unseen
+    onednn_linears(layer, force=True)
+    torch.testing.assert_close(layer(inputs), nn.functional.linear(inputs, layer.weight, layer.bias))
+
+
+@needs_onednn
+def test_onednn_lets_a_trainable_bias_of_a_frozen_weight_get_its_gradient():
+    layer = nn.Linear(16, 12)
+    layer.weight.requires_grad_(False)
+    onednn_linears(layer)
+    layer(torch.randn(5, 16)).sum().backward()
+    torch.testing.assert_close(layer.bias.grad, torch.full((12,), 5.0))
 
 
 @needs_onednn

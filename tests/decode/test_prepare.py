@@ -78,6 +78,9 @@ def test_prepare_on_this_cpu_gives_target_plain_decoding_and_draft_fc_the_onednn
     assert list(target.state_dict()) == keys  # the copies are not saved
     prepare(target, head, TREE, onednn=False)  # off: the copies go, the MKL layout comes back
     assert not is_onednn(target) and not is_onednn(head) and packed_rows(target) == verify_rows(TREE)
+    prepare(target, head, TREE)  # on again: the MKL copies, which fp32 inputs would no longer read, go
+    assert is_onednn(target) and not is_pretransposed(target) and packed_rows(target) is None
+    assert not is_pretransposed(head) and onednn_weight(head.fc) is not None
 
 
 @x86

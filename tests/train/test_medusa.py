@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 
 import train.medusa
 from decode import generate
+from decode.layout import can_onednn, onednn_linears
 from heads import MedusaHeads, load_heads
 from heads.target import load_target, merge_lora
 from train.config import MedusaRunConfig, load_config
@@ -106,6 +107,11 @@ def test_medusa2_trains_lora_after_heads_only_stage(tmp_path, overrides, tiny_ta
     heads = load_heads(out / "head", target=merged)
     plain = generate(merged, ids, max_new_tokens=16)
     assert torch.equal(generate(merged, ids, heads, max_new_tokens=16).sequences, plain.sequences)
+    if can_onednn():  # a target already holding oneDNN copies: the merge is seen, the old copies never read
+        prepared = load_target(str(tiny_target_dir))[0]
+        onednn_linears(prepared)
+        with torch.no_grad():
+            torch.testing.assert_close(merge_lora(prepared, out / "lora")(ids).logits, merged(ids).logits)
     with pytest.raises(FileNotFoundError, match="not a safetensors LoRA adapter"):
         merge_lora(base, out / "head")
 
