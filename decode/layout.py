@@ -108,7 +108,7 @@ def _current_onednn(layer: nn.Linear) -> Tensor | None:
 
 def _forward(self: nn.Linear, x: Tensor) -> Tensor:
     rows = x.numel() // x.shape[-1] if x.numel() else 0
-    onednn = _current_onednn(self) if _ONEDNN in self.__dict__ else None
+    onednn = _current_onednn(self)
     if (
         onednn is not None
         and rows

@@ -312,9 +312,8 @@ def _adapted_copy(cfg: MedusaRunConfig, accelerator, eval_copy: dict, state: dic
             from peft import get_peft_model
 
             target, _ = load_frozen_target(cfg.model, accelerator)
-            drop_onednn(
-                target
-            )  # its weights are overwritten at every evaluation: a cached copy would be stale
+            # its weights are overwritten at every evaluation: a cached oneDNN copy would only be stale
+            drop_onednn(target)
             eval_copy["model"] = get_peft_model(target, lora_config(cfg.medusa), autocast_adapter_dtype=True)
         model = eval_copy["model"]
         model.load_state_dict(state, strict=True)
