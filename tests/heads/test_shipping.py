@@ -166,14 +166,17 @@ def test_the_default_target_has_a_shipped_eagle3_and_medusa1_head():
 @pytest.mark.parametrize("folder", SHIPPED, ids=lambda p: p.name)
 def test_committed_head_was_trained_by_its_config_which_the_reproduce_script_runs(folder):
     """Each shipped head's recorded run config equals configs/<name>_smollm2_ship.yaml in what shapes the head
-    (data, length, schedule, steps, head settings; not where the run wrote), and scripts/reproduce_smollm2.sh
-    trains it from that config and ships it under that name."""
+    (data, length, schedule, steps, head settings; not where the run wrote or read its starting head), and
+    scripts/reproduce_smollm2.sh trains it from that config and ships it under that name. A head continued
+    from an earlier stage's (init_from) names it in both, and the script trains that stage's config first."""
     name = folder.name
     config = ROOT / "configs" / f"{name}_smollm2_ship.yaml"
     run_config = EagleRunConfig if name.startswith("eagle") else MedusaRunConfig
     recorded = to_dict(load_config(run_config, folder / TRAIN_CONFIG, []))
     committed = to_dict(load_config(run_config, config, []))
     section = "eagle" if name.startswith("eagle") else "medusa"
+    recorded_init, init = recorded[section].pop("init_from"), committed[section].pop("init_from")
+    assert (recorded_init is None) == (init is None), (recorded_init, init)
     assert recorded[section] == committed[section]
     for key in ("train_files", "max_length", "max_bad_fraction", "eval_fraction", "group_by_length"):
         assert recorded["data"][key] == committed["data"][key], key
@@ -188,6 +191,14 @@ def test_committed_head_was_trained_by_its_config_which_the_reproduce_script_run
         assert recorded["train"][key] == committed["train"][key], key
     script = (ROOT / "scripts" / "reproduce_smollm2.sh").read_text()
     assert f"configs/{name}_smollm2_ship.yaml" in script
+    if init is not None:
+        stages = {
+            p: load_config(run_config, p, []).train.output_dir
+            for p in (ROOT / "configs").glob(f"{name}_smollm2_ship_*.yaml")
+        }
+        stage = [p for p, out in stages.items() if str(Path(out) / "head") == init]
+        assert stage, f"no configs/{name}_smollm2_ship_*.yaml writes {init}"
+        assert script.index(f"configs/{stage[0].name}") < script.index(f"configs/{name}_smollm2_ship.yaml")
     assert "for name in eagle3 medusa1; do" in script and f"[{name}]=" in script
 
 
