@@ -168,7 +168,7 @@ def test_committed_head_was_trained_by_its_config_which_the_reproduce_script_run
     """Each shipped head's recorded run config equals configs/<name>_smollm2_ship.yaml in what shapes the head
     (data, length, schedule, steps, head settings; not where the run wrote or read its starting head), and
     scripts/reproduce_smollm2.sh trains it from that config and ships it under that name. A head continued
-    from an earlier stage's (init_from) names it in both, and the script trains that stage's config first."""
+    from an earlier stage's (init_from) names it in both, and the script trains every earlier stage first."""
     name = folder.name
     config = ROOT / "configs" / f"{name}_smollm2_ship.yaml"
     run_config = EagleRunConfig if name.startswith("eagle") else MedusaRunConfig
@@ -191,14 +191,17 @@ def test_committed_head_was_trained_by_its_config_which_the_reproduce_script_run
         assert recorded["train"][key] == committed["train"][key], key
     script = (ROOT / "scripts" / "reproduce_smollm2.sh").read_text()
     assert f"configs/{name}_smollm2_ship.yaml" in script
-    if init is not None:
-        stages = {
-            p: load_config(run_config, p, []).train.output_dir
-            for p in (ROOT / "configs").glob(f"{name}_smollm2_ship_*.yaml")
-        }
-        stage = [p for p, out in stages.items() if str(Path(out) / "head") == init]
+    stages = {
+        p: load_config(run_config, p, []) for p in (ROOT / "configs").glob(f"{name}_smollm2_ship_*.yaml")
+    }
+    later, seen = config, set()
+    while init is not None:  # every earlier stage, back to the first, trained before the stage it feeds
+        stage = [p for p, c in stages.items() if str(Path(c.train.output_dir) / "head") == init]
         assert stage, f"no configs/{name}_smollm2_ship_*.yaml writes {init}"
-        assert script.index(f"configs/{stage[0].name}") < script.index(f"configs/{name}_smollm2_ship.yaml")
+        assert stage[0] not in seen, f"the stages of {name} loop at {stage[0].name}"
+        seen.add(stage[0])
+        assert script.index(f"configs/{stage[0].name}") < script.index(f"configs/{later.name}"), stage[0]
+        later, init = stage[0], getattr(stages[stage[0]], section).init_from
     assert "for name in eagle3 medusa1; do" in script and f"[{name}]=" in script
 
 
