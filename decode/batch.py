@@ -26,7 +26,7 @@ from decode.accept import accept_greedy, accept_sampling, sample, tally_ranks, t
 from decode.batch_draft import make_batch_drafter, propose_batch
 from decode.propose import Drafter, drafter_limits, make_drafter, propose
 from decode.timing import synchronize
-from decode.tree import resolve_tree
+from decode.tree import resolve_tree, tree_label
 from heads.eagle import additive_mask
 from heads.features import FeatureCapture
 
@@ -339,7 +339,8 @@ def generate_batch(
             `record_time(seconds)` method is told every step's wall time.
         pad_token_id: what pads the replies in `sequences`.
         batch_draft: draft every row's tree in one head forward per level (`decode.batch_draft`; EAGLE and
-            Medusa heads); False drafts row by row, one drafter each (what a list of drafters always does).
+            Medusa heads); False drafts row by row, one drafter each (what a list of drafters always does),
+            which a `DynamicTree.min_prob` bound refuses (ValueError): it sizes the rows' trees together.
     Returns:
         BatchOutput.
     """
@@ -451,6 +452,12 @@ def generate_batch(
             drafted_last = spec is not None
             if together is not None and spec is not None:
                 trees = propose_batch(together, torch.cat([roots[r] for r in rows]), spec, **draws)
+            elif getattr(spec, "min_prob", 0) > 0 and len(rows) > 1:
+                raise ValueError(
+                    f"{tree_label(spec)}: a min_prob bound sizes a batch's trees together, which needs the "
+                    "rows to draft together (batch_draft=True with EAGLE or Medusa heads); these rows draft "
+                    "one by one"
+                )
             else:
                 trees = [
                     propose(drafters[r] if spec is not None else None, roots[r], spec, **draws) for r in rows

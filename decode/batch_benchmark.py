@@ -29,7 +29,8 @@ def tree_name(tree) -> str:
     if tree is None:
         return "plain"
     if isinstance(tree, DynamicTree):
-        return f"dynamic({tree.depth},{tree.top_k},{tree.total_tokens})"
+        bound = f",p>={tree.min_prob:g}" if tree.min_prob > 0 else ""
+        return f"dynamic({tree.depth},{tree.top_k},{tree.total_tokens}{bound})"
     return f"static({len(tree)} nodes)"
 
 

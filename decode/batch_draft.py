@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import pad_sequence
 
 from decode.fused import fused_step
-from decode.propose import _static_levels, draft_lm_head, draw_children, float_dtype
+from decode.propose import _static_levels, draft_lm_head, draw_children, float_dtype, min_score
 from decode.tree import DraftTree, DynamicTree, TreeBuffers
 from heads.eagle import DraftCache, EagleHead, additive_mask
 from heads.medusa import MedusaHeads
@@ -320,7 +320,9 @@ def propose_batch(
     vocab_size: int,
 ) -> list[DraftTree]:
     """Grow one draft tree per row below `roots` (B,) with the batched drafter: `decode.propose.propose` for
-    B rows at once, the same tree spec for all."""
+    B rows at once, the same tree spec for all. Under a `DynamicTree.min_prob` bound every row's tree has the
+    size of the row that keeps most nodes (and drafting goes on while any row has a node at the floor), so a
+    row may verify more nodes than it would alone: the same tokens at T=0, perhaps fewer steps."""
     root_logits = drafter.root_logits()
     draws = {"temperature": temperature, "generator": generator, "vocab_size": vocab_size}
     try:
@@ -355,11 +357,19 @@ def _grow_dynamic(
     growth = _BatchGrowth(drafter, roots, 1 + sum(sizes), **draws)
     batch = roots.shape[0]
     start, stop = growth.add_children(roots.new_zeros(batch, 1), root_logits[:, None], k, 1)
+    floor = min_score(spec)
+    reached = 1
     for depth in range(1, depth_limit):
+        if floor is not None and not bool(growth.scores[:, start:stop].max() >= floor):
+            break  # no row keeps a node of this level
         order = torch.sort(-growth.scores[:, start:stop], dim=1, stable=True).indices[:, : spec.top_k]
         best = start + order.sort(dim=1).values
         start, stop = growth.add_children(best, growth.expand(best, depth), k, depth + 1)
+        reached = depth + 1
     scores = growth.scores[:, : growth.size]
-    order = torch.sort(-scores[:, 1:], dim=1, stable=True).indices[:, : spec.total_tokens] + 1
+    budget = spec.total_tokens
+    if floor is not None:  # one size for every row (the verify pass is one tensor): the row that keeps most
+        budget = min(budget, int((scores[:, 1:] >= floor).sum(dim=1).max()))
+    order = torch.sort(-scores[:, 1:], dim=1, stable=True).indices[:, :budget] + 1
     keep = torch.cat([order.new_zeros(batch, 1), order], dim=1).sort(dim=1).values
-    return growth.result(depth_limit, k, keep)
+    return growth.result(reached, k, keep)

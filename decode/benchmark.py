@@ -232,10 +232,10 @@ def sizing_record(
             "predicted_speedup": prediction["tokens_per_second"] / plain,
         }
 
-    fixed = {
+    fixed = {  # not a min_prob tree: its size changes step by step, which the cost model does not model
         m.name: entry(as_tree(m.tree), calibration.predict(as_tree(m.tree)))
         for m in methods
-        if m.heads is heads
+        if m.heads is heads and not getattr(as_tree(m.tree), "min_prob", 0)
     }
     candidates = [
         entry(as_tree(c.tree), {**vars(c), "tokens_per_second": c.tokens_per_second})
@@ -265,7 +265,8 @@ def build_methods(
         model_name: its name or folder (loaded again and LoRA-merged for Medusa-2).
         paths: head folders by name ("medusa1", "eagle1", "eagle3"; "medusa2": a run folder holding head/
             and lora/); None or absent: left out.
-        eagle3_trees: (depth, top_k, total_tokens) of more EAGLE-3 dynamic trees.
+        eagle3_trees: (depth, top_k, total_tokens) or (depth, top_k, total_tokens, min_prob) of more EAGLE-3
+            dynamic trees.
     """
     loaded = {
         name: load_heads(paths[name], target=model)
@@ -287,9 +288,10 @@ def build_methods(
     if "eagle3" in loaded:
         methods.append(Method("EAGLE-3 static", loaded["eagle3"], "tree8", tree_label=tree_label("tree8")))
         methods.append(Method("EAGLE-3 dynamic", loaded["eagle3"], DEFAULT_EAGLE_TREE, tree_label=dynamic))
-        for depth, top_k, total in eagle3_trees:
-            tree = DynamicTree(depth=depth, top_k=top_k, total_tokens=total)
-            name = f"EAGLE-3 dynamic {depth}/{top_k}/{total}"
+        for spec in eagle3_trees:
+            tree = DynamicTree(*spec)
+            bound = f" p>={tree.min_prob:g}" if tree.min_prob > 0 else ""
+            name = f"EAGLE-3 dynamic {tree.depth}/{tree.top_k}/{tree.total_tokens}{bound}"
             methods.append(Method(name, loaded["eagle3"], tree, tree_label=tree_label(tree)))
     return methods, loaded, targets
 

@@ -33,7 +33,7 @@ from decode.sizing import (
     size_tree,
 )
 from decode.timing import synchronize
-from decode.tree import DraftTree, DynamicTree, TreeBuffers, build_tree
+from decode.tree import DraftTree, DynamicTree, TreeBuffers, build_tree, tree_label
 from decode.verify import verify
 from heads.eagle import EagleHead
 from heads.features import FeatureCapture
@@ -214,7 +214,16 @@ class Calibration:
 
     def predict(self, tree: DynamicTree | Sequence[Sequence[int]]) -> dict[str, float]:
         """E[tokens], costs and tokens/s of a given tree (a DynamicTree's E is that of the best-first static
-        tree of its size: an approximation of its confidence-driven shape); its drafting cost is measured."""
+        tree of its size: an approximation of its confidence-driven shape); its drafting cost is measured.
+
+        Raises:
+            ValueError: a DynamicTree with a `min_prob` bound (its size changes step by step; the model
+                prices a fixed size).
+        """
+        if isinstance(tree, DynamicTree) and tree.min_prob > 0:
+            raise ValueError(
+                f"the cost model prices trees of a fixed size; {tree_label(tree)} has a min_prob bound"
+            )
         if isinstance(tree, DynamicTree):
             expected, _ = best_tree(self.acceptance, tree.total_tokens, tree.depth, tree.top_k, tree.top_k)
             nodes, depth, top_k = tree.total_tokens, tree.depth, tree.top_k

@@ -262,8 +262,9 @@ def decode_prompts(
 ) -> list[PromptResult]:
     """Decode each 1-D prompt of `prompts`, `batch_size` at a time: one `generate` per prompt when 1, else
     left-padded batches through `decode.batch` (every row decodes as it would alone: at T=0 the same tokens
-    and the same steps). For loops over prompt sets that want acceptance, not per-prompt timing (simulated
-    tau, the ablation's tau per category). `kwargs` go to `generate` (tree, temperature, seed, eos_token_id).
+    and the same steps, except under a `DynamicTree.min_prob` bound, where a row may take fewer steps). For
+    loops over prompt sets that want acceptance, not per-prompt timing (simulated tau, the ablation's tau per
+    category). `kwargs` go to `generate` (tree, temperature, seed, eos_token_id).
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")

@@ -3,17 +3,20 @@
 Children of a node are its draft distribution's top-k (greedy) or, when sampling, a draw of k tokens
 WITHOUT replacement in sampling order (Gumbel-top-k), which is what lossless recursive rejection sampling
 in `decode/accept.py` requires. Which nodes exist is decided from ancestors' values and draft
-distributions only (slot scores: parent score + k-th largest log q), never from a node's own sampled value.
+distributions only (slot scores: parent score + k-th largest log q), never from a node's own sampled value;
+a `DynamicTree.min_prob` bound is a floor on those same slot scores.
 
 A proposal is grown on the drafter's device without reading anything back to the host: every level has a
 number of nodes known in advance (a static tree's shape; a dynamic tree's top_k per level), so node arrays are
 sized up front and filled with device ops, and EAGLE-2's choices (which nodes to expand, which to keep) are
-device sorts over scores.
+device sorts over scores. A `min_prob` bound is the exception: whether to draft the next level, and how many
+nodes pass the floor, are read back once per level and once per proposal.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -434,17 +437,29 @@ def _grow_dynamic(
         sizes.append(min(spec.top_k, sizes[-1]) * k)
     growth = _Growth(drafter, root, 1 + sum(sizes), **draws)
     start, stop = growth.add_children(root.new_zeros(1), root_logits[None], k, 1)
+    floor = min_score(spec)
+    reached = 1
     for depth in range(1, depth_limit):
+        if floor is not None and not bool(growth.scores[start:stop].max() >= floor):  # a host read per level
+            break  # no node of this level is kept, so none below it would be
         # expand the level's top_k by score, ties to the earlier node (a stable sort), in creation order
         best = start + torch.sort(-growth.scores[start:stop], stable=True).indices[: spec.top_k].sort().values
         start, stop = growth.add_children(best, growth.expand(best, depth), k, depth + 1)
-    return growth.result(depth_limit, k, rerank(growth.scores[: growth.size], spec.total_tokens))
+        reached = depth + 1
+    return growth.result(reached, k, rerank(growth.scores[: growth.size], spec.total_tokens, floor))
 
 
-def rerank(scores: Tensor, budget: int) -> Tensor:
+def min_score(spec: DynamicTree) -> float | None:
+    """The least slot score (cumulative log q) a node of `spec` may have; None when it has no `min_prob`."""
+    return math.log(spec.min_prob) if spec.min_prob > 0 else None
+
+
+def rerank(scores: Tensor, budget: int, floor: float | None = None) -> Tensor:
     """`decode.tree.select_nodes` on the device: the root and the `budget` best-scoring other nodes (ties to
-    the earlier node), ids in creation order. Scores never increase from parent to child and ties go to the
-    earlier node, which a parent is, so the kept set is prefix-closed (`select_nodes` checks that on the
-    host)."""
+    the earlier node), ids in creation order; with a `floor`, only those scoring at least that. Scores never
+    increase from parent to child and ties go to the earlier node, which a parent is, so the kept set is
+    prefix-closed (`select_nodes` checks that on the host)."""
     order = torch.sort(-scores[1:], stable=True).indices[:budget] + 1
+    if floor is not None:
+        order = order[scores[order] >= floor]  # a data-dependent size: a host read on a GPU
     return torch.cat([order.new_zeros(1), order]).sort().values

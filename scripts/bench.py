@@ -58,15 +58,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "eagle3 and medusa1 folders, where --eagle3 / --medusa1 do not name others"
     )
     add("--pretrained", action="store_true", help=shipped)
-    trees = ("DEPTH", "TOP_K", "TOTAL")
     add(
         "--eagle3-tree",
-        type=int,
-        nargs=3,
+        nargs="+",
         action="append",
         default=[],
-        metavar=trees,
-        help="one more EAGLE-3 dynamic tree (repeatable)",
+        metavar="DEPTH TOP_K TOTAL [MIN_PROB]",
+        help="one more EAGLE-3 dynamic tree (repeatable); MIN_PROB: decode.DynamicTree's confidence bound",
     )
     add("--prompts", type=int, default=4, help="prompts per category")
     add("--calibration-prompts", type=int, default=4, help="chat prompts for --size-tree")
@@ -117,6 +115,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             )
         for name, path in found.items():
             setattr(args, name, getattr(args, name) or str(path))
+    args.eagle3_tree = [tree_spec(parser, values) for values in args.eagle3_tree]
     if args.batch_sizes and not (args.eagle3 or args.medusa1):
         parser.error("--batch-sizes needs --eagle3 or --medusa1 (the head every row drafts with)")
     if args.medusa1_tree and not (args.size_tree and args.medusa1):
@@ -124,6 +123,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             "--medusa1-tree needs --size-tree and --medusa1 (it builds trees from the measured acceptance)"
         )
     return args
+
+
+def tree_spec(parser: argparse.ArgumentParser, values: list[str]) -> tuple:
+    """(depth, top_k, total[, min_prob]) of one --eagle3-tree, checked as `DynamicTree` checks it."""
+    try:
+        if len(values) not in (3, 4):
+            raise ValueError(f"{len(values)} values; expected DEPTH TOP_K TOTAL [MIN_PROB]")
+        spec = (*map(int, values[:3]), *map(float, values[3:]))
+        DynamicTree(*spec)
+    except ValueError as err:
+        parser.error(f"--eagle3-tree {' '.join(values)}: {err}")
+    return spec
 
 
 @torch.no_grad()  # a decorator, not set_grad_enabled(False): callers (tests) get their grad mode back

@@ -40,7 +40,7 @@ shipped() {
         python scripts/ship_head.py "runs/${name}_smollm2_ship/head" --name "$name" --command "${trained[$name]}"
     done
     python scripts/bench.py --pretrained --prompts 10 --max-new-tokens 64 --temperatures 0 1 --size-tree \
-        --eagle3-tree 6 3 20 --eagle3-tree 8 3 24 --out "$bench"
+        --eagle3-tree 6 3 20 --eagle3-tree 8 3 24 --eagle3-tree 8 4 24 0.05 --out "$bench"
     for name in eagle3 medusa1; do
         python scripts/ship_head.py "runs/${name}_smollm2_ship/head" --name "$name" --command "${trained[$name]}" \
             --bench "$bench/bench.json"

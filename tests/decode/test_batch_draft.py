@@ -132,3 +132,84 @@ def test_plain_steps_of_a_policy_cost_no_draft_forward(build_target, monkeypatch
     for row, prompt in enumerate(prompts):
         alone = generate(model, prompt, None, max_new_tokens=6, eos_token_id=[])
         assert out.replies[row] == alone.sequences[0, len(prompt) :].tolist()
+
+
+class _RowDistributions:
+    """A batched drafter whose row b gives every node's children the distribution probs[b] (then a flat
+    tail), whatever the parent: row b's cumulative draft probabilities are products over rank paths."""
+
+    max_depth = None
+
+    def __init__(self, probs: list[list[float]], vocab_size: int = 16) -> None:
+        rows = []
+        for row in probs:
+            p = torch.full((vocab_size,), (1.0 - sum(row)) / (vocab_size - len(row)))
+            p[: len(row)] = torch.tensor(row)
+            rows.append(p.log())
+        self.logits, self.levels = torch.stack(rows), []
+
+    def root_logits(self):
+        return self.logits
+
+    def expand(self, parent_rows, tokens, depth):
+        self.levels.append(depth)
+        return self.logits[:, None].expand(-1, tokens.shape[1], -1)
+
+    def end_proposal(self):
+        pass
+
+    def to_target_ids(self, draft_ids):
+        return draft_ids
+
+
+def test_a_min_prob_bound_gives_every_row_the_size_of_the_row_that_keeps_most():
+    """Row 0 is sure (0.6, 0.3, 0.05: ten nodes reach 0.1, the last at depth 4), row 1 is not (0.3, 0.3, 0.3:
+    three reach 0.1, at depth 1): both get ten nodes, row 0 exactly those it keeps alone, row 1 its ten best;
+    levels are drafted while some row has a node at the floor. A floor no row reaches: the roots alone."""
+    sure, unsure = [0.6, 0.3, 0.05], [0.3, 0.3, 0.3]
+    draws = {"temperature": 0.0, "generator": None, "vocab_size": 16}
+    roots = torch.tensor([3, 4])
+    bounded = DynamicTree(6, 3, 20, min_prob=0.1)
+    drafter = _RowDistributions([sure, unsure])
+    trees = propose_batch(drafter, roots, bounded, **draws)
+    assert [len(t) for t in trees] == [11, 11] and drafter.levels == [1, 2, 3, 4]
+    alone = _RowDistributions([sure])
+    _same(propose_batch(alone, roots[:1], bounded, **draws)[0], trees[0], "the sure row")
+    best_ten = propose_batch(_RowDistributions([unsure]), roots[1:], DynamicTree(6, 3, 10), **draws)[0]
+    for name in ("tokens", "parents", "ranks", "depths"):  # its ten best: three at depth 1, seven at 2
+        assert torch.equal(getattr(trees[1], name), getattr(best_ten, name)), name
+    none = _RowDistributions([sure, unsure])
+    roots_only = propose_batch(none, roots, DynamicTree(6, 3, 20, min_prob=0.7), **draws)
+    assert [t.tokens.tolist() for t in roots_only] == [[3], [4]] and none.levels == []
+
+
+def test_a_min_prob_bound_in_batched_decoding_is_lossless_and_refuses_row_by_row_drafts(build_target):
+    """Medusa heads drafting every row together under a bound: trees change size from step to step, every
+    reply equals plain greedy decoding of its prompt; drafting row by row would give rows different sizes,
+    so it is refused with the reason."""
+    from decode import batch as batch_module
+
+    model = build_target("mistral")
+    head = _head(model, "medusa")
+    generator = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(1, 128, (n,), generator=generator) for n in (5, 8, 3)]
+    ids, mask = left_padded(prompts, 0)
+    tree = DynamicTree(3, 3, 12, min_prob=0.05)
+    sizes, grow = [], batch_module.propose_batch
+
+    def recorded(*args, **kwargs):
+        trees = grow(*args, **kwargs)
+        sizes.append({len(t) for t in trees})
+        return trees
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(batch_module, "propose_batch", recorded)
+        out = generate(model, ids, head, attention_mask=mask, max_new_tokens=16, eos_token_id=[], tree=tree)
+    for row, prompt in enumerate(prompts):
+        plain = generate(model, prompt, None, max_new_tokens=16, eos_token_id=[])
+        assert out.replies[row] == plain.sequences[0, len(prompt) :].tolist(), f"row {row}"
+    assert all(len(step) == 1 for step in sizes)
+    per_step = [step.pop() for step in sizes]
+    assert len(set(per_step)) > 1 and max(per_step) <= 13
+    with pytest.raises(ValueError, match="a min_prob bound sizes a batch's trees together"):
+        generate_batch(model, ids, mask, head, max_new_tokens=4, tree=tree, batch_draft=False)

@@ -74,6 +74,11 @@ def test_bench_runs_every_method_and_writes_reports(tmp_path, tiny_target_dir, h
             "3",
             "2",
             "5",
+            "--eagle3-tree",
+            "3",
+            "2",
+            "5",
+            "0.3",
             "--medusa1-tree",
             "6",
             "--out",
@@ -110,6 +115,17 @@ def test_bench_runs_every_method_and_writes_reports(tmp_path, tiny_target_dir, h
     assert wide["tree"].startswith("measured acceptance: static, ") and wide["draft_nodes_per_step"] <= 6
     extra = next(r for r in results["rows"] if r["method"] == "EAGLE-3 dynamic 3/2/5")
     assert extra["tree"] == "dynamic(depth=3, top_k=2, total=5)" and extra["draft_nodes_per_step"] <= 5
+    bounded = next(r for r in results["rows"] if r["method"] == "EAGLE-3 dynamic 3/2/5 p>=0.3")
+    assert bounded["tree"] == "dynamic(depth=3, top_k=2, total=5, min_prob=0.3)"
+    assert (
+        bounded["draft_nodes_per_step"] < extra["draft_nodes_per_step"]
+    )  # a random head is rarely that sure
+    # the cost model prices fixed sizes only: no prediction for the bounded tree
+    assert set(results["sizing"]["eagle3"]["fixed_trees"]) == {
+        "EAGLE-3 static",
+        "EAGLE-3 dynamic",
+        "EAGLE-3 dynamic 3/2/5",
+    }
     for row in results["rows"]:
         assert row["temperature"] in (0.0, 1.0) and row["category"] in ("chat", "instruction", "code", "all")
         assert row["tau"] >= 1.0 and row["speedup"] > 0 and row["tokens_per_second"] > 0
@@ -119,7 +135,7 @@ def test_bench_runs_every_method_and_writes_reports(tmp_path, tiny_target_dir, h
             assert row["identical_to_plain"] == row["prompts"]
         if row["method"] == "prompt lookup":
             assert row["draft_nodes_per_step"] is None  # transformers does not say how many it drafted
-        else:
+        elif "min_prob" not in row["tree"]:  # a bounded tree may draft nothing on steps where nothing is sure
             assert row["draft_nodes_per_step"] > 0
     cells = {(r["method"], r["temperature"], r["category"]) for r in results["rows"]}
     assert len(cells) == len(results["rows"])  # one row per method, temperature and category
@@ -215,3 +231,21 @@ def test_bench_batch_sizes_compares_plain_tree_and_policy_per_batch(
     assert "batch 3, round 1/1, adaptive:" in printed.err
     with pytest.raises(SystemExit):
         bench["main"](["--model", str(tiny_target_dir), "--batch-sizes", "2", "--out", str(out)])
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        (["3", "2"], "2 values; expected DEPTH TOP_K TOTAL [MIN_PROB]"),
+        (["3", "2", "5", "1.5"], "DynamicTree.min_prob must be in [0, 1), got 1.5"),
+        (["3", "2", "x"], "invalid literal for int() with base 10: 'x'"),
+        (["3", "0", "5"], "DynamicTree.top_k must be >= 1, got 0"),
+    ],
+)
+def test_bench_eagle3_tree_names_what_is_wrong(tmp_path, head_dirs, capsys, values, message):
+    bench = runpy.run_path(str(SCRIPT))
+    with pytest.raises(SystemExit):
+        bench["main"](
+            ["--eagle3", str(head_dirs / "eagle3"), "--eagle3-tree", *values, "--out", str(tmp_path)]
+        )
+    assert f"--eagle3-tree {' '.join(values)}: {message}" in capsys.readouterr().err

@@ -25,8 +25,11 @@ TREES = {
     "tree8": "tree8",
     "dynamic338": DynamicTree(depth=3, top_k=3, total_tokens=8),
     "dynamic426": DynamicTree(depth=4, top_k=2, total_tokens=6),
+    # the oracle's top three draft probabilities are about 0.67, 0.24 and 0.09: a bound of 0.2 keeps its first
+    # two children, the first child's first child (0.44) and so on down the first choices, to depth 3 (0.30)
+    "bounded": DynamicTree(depth=6, top_k=3, total_tokens=20, min_prob=0.2),
 }
-BRANCHING_TREES = ["branch5", "tree8", "dynamic338", "dynamic426"]
+BRANCHING_TREES = ["branch5", "tree8", "dynamic338", "dynamic426", "bounded"]
 # `decode.generate` is the function (re-exported by decode/__init__.py), so fetch the module itself
 generate_module = importlib.import_module("decode.generate")
 # tree8 is 4 deep; the Medusa heads draft 3
@@ -113,9 +116,10 @@ def _spy_on_compaction(monkeypatch) -> list[list[int]]:
 
 @pytest.mark.parametrize("tree", BRANCHING_TREES)
 def test_oracle_drafts_are_accepted_and_output_is_plain(any_target, tree, monkeypatch, oracle):
+    plain = _plain_ids(any_target)  # before the spy: the reference's own decoding would be counted
     kept_paths = _spy_on_compaction(monkeypatch)
     out = generate(any_target, PROMPT, oracle(any_target), max_new_tokens=N, tree=TREES[tree])
-    assert out.sequences[0].tolist() == _plain_ids(any_target)
+    assert out.sequences[0].tolist() == plain
     assert out.tau > 1.5, out
     assert len(out.accepted_per_depth) >= 2 and min(out.accepted_per_depth[:2]) > 0, out.accepted_per_depth
     assert any(keep != list(range(len(keep))) for keep in kept_paths)  # some accepted path left the chain
@@ -212,6 +216,23 @@ def test_plain_statistics(build_target):
     assert out.accepted_per_depth == [] and out.acceptance_rates() == []
     assert out.accepted_ranks == [] and out.draft_nodes == 0
     assert out.seconds > 0 and out.tokens_per_second == pytest.approx(20 / out.seconds)
+
+
+def test_a_min_prob_bound_sizes_each_step_by_the_drafts_confidence(build_target, monkeypatch, oracle):
+    """Steps where the oracle drafts off the true path (its children are then flat: nothing reaches 0.2)
+    verify fewer nodes than confident ones; never more than the four the bound allows, never nodes past depth
+    3; the output is plain decoding's."""
+    model = build_target("qwen2")
+    sizes = []
+    propose = generate_module.propose
+    monkeypatch.setattr(
+        generate_module, "propose", lambda *a, **k: (sizes.append(len(tree := propose(*a, **k))), tree)[1]
+    )
+    out = generate(model, PROMPT, oracle(model, seed=2), max_new_tokens=N, tree=TREES["bounded"])
+    assert out.sequences[0].tolist() == _plain_ids(model)
+    assert len(sizes) == out.steps and out.draft_nodes == sum(sizes) - out.steps
+    assert max(sizes) == 5 and min(sizes) < 5  # root + 0.67, 0.24, 0.44, 0.30 when confident
+    assert len(out.accepted_per_depth) <= 3 and out.tau > 1.3
 
 
 @pytest.mark.parametrize("tree", ["tree8", "dynamic338"])

@@ -162,3 +162,27 @@ def test_the_counter_sees_each_kind_of_round_trip(sync):
     with RoundTrips() as trips:
         run()
     assert idle.count == 0 and trips.count >= 1
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampling"])
+def test_a_min_prob_bound_reads_the_device_once_per_draft_level_and_once_for_the_cut(
+    build_target, temperature
+):
+    """The documented price of `DynamicTree.min_prob`: whether to draft the next level and how many nodes
+    pass the floor are read back (one round trip per level drafted past the first, one for the cut), alone
+    and in a batch; still nothing per node or per target layer."""
+    counts = {}
+    for layers in (2, 6):
+        target, heads = _always_accepting(build_target, layers, "eagle3")
+        for depth in (3, 6):
+            tree = DynamicTree(depth=depth, top_k=4, total_tokens=4 * depth, min_prob=0.5)
+            per_step, tau = _per_step(target, heads, tree, temperature)
+            assert tau >= 0.6 * (depth + 1), f"drafts were rarely accepted (tau {tau:.2f}): vacuous"
+            counts[(layers, depth)] = per_step - depth  # the first choice passes the floor at every level
+    assert set(counts.values()) == {BOUND}, f"round trips per step beyond one per level: {counts}"
+    target, heads = _always_accepting(build_target, 2, "eagle3")
+    batched = {
+        b: _per_batched_step(target, heads, b, DynamicTree(4, 4, 16, min_prob=0.5), temperature)
+        for b in (1, 3)
+    }
+    assert set(batched.values()) == {BOUND + 4}, f"batched: {batched}"

@@ -224,3 +224,37 @@ def test_negative_control_batched_rule_is_detected(target, monkeypatch):
         target, make_heads(target, "medusa", std=0.1), CASES[0][1], seed_base=3000, batched=True
     )
     assert pvalue < 1e-3, "the test failed to detect a biased acceptance rule in batched decoding"
+
+
+BOUNDED = DynamicTree(depth=3, top_k=3, total_tokens=8, min_prob=0.15)
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["alone", "batched"])
+def test_sampling_under_a_min_prob_bound_matches_target_distribution(target, batched):
+    """A `DynamicTree.min_prob` bound decides which nodes exist from slot scores (ancestors' values and draft
+    distributions), never from a node's own draw: still the target's distribution, alone and in a batch."""
+    pvalue = fit_pvalue(
+        target, make_heads(target, "eagle1"), BOUNDED, seed_base=1000, min_tau=1.2, batched=batched
+    )
+    assert pvalue > 1e-3, f"a min_prob bound biases sampling (chi-square p={pvalue:.2e})"
+
+
+def _scored_by_own_draw(draw):
+    """BIASED on purpose: a node's score is the draft probability of the token it drew, so the bound keeps
+    or drops a node by its own sampled value (and may keep a later draw without an earlier one)."""
+
+    def scored(logits, k, temperature, generator):
+        drawn = draw(logits, k, temperature, generator)
+        if drawn.q is None:
+            return drawn
+        own = drawn.q.gather(1, drawn.draft_ids).log()
+        return type(drawn)(drawn.draft_ids, own, drawn.q)
+
+    return scored
+
+
+def test_negative_control_a_bound_on_a_nodes_own_draw_is_detected(target, monkeypatch):
+    propose_module = importlib.import_module("decode.propose")
+    monkeypatch.setattr(propose_module, "draw_children", _scored_by_own_draw(propose_module.draw_children))
+    pvalue = fit_pvalue(target, make_heads(target, "eagle1"), BOUNDED, seed_base=1000)
+    assert pvalue < 1e-3, "the test failed to detect a bound that reads each node's own draw"

@@ -1,10 +1,12 @@
 """decode/propose.py: the EAGLE drafter's tree masks, batched child draws, what a drafter tells the tree
-resolver (depth it reaches, dynamic or static), and the lm_head a sharing draft projects with."""
+resolver (depth it reaches, dynamic or static), the lm_head a sharing draft projects with, and the trees a
+`DynamicTree.min_prob` bound grows."""
 
 import pytest
 import torch
 
-from decode.propose import Drafter, EagleDrafter, draft_lm_head, drafter_limits, draw_children
+from decode.propose import Drafter, EagleDrafter, draft_lm_head, drafter_limits, draw_children, propose
+from decode.tree import DynamicTree
 from heads.eagle import EagleConfig, EagleHead
 from heads.medusa import MedusaConfig, MedusaHeads
 
@@ -87,3 +89,74 @@ def test_draft_lm_head_is_the_targets_unless_the_draft_has_its_own(build_target)
     own = torch.nn.Linear(32, 128, bias=False)
     object.__setattr__(head, "_selfspec_draft_lm_head", own)  # what decode.prepare.quantize_draft sets
     assert draft_lm_head(head, target) is own and "_selfspec_draft_lm_head" not in dict(head.named_modules())
+
+
+# ---- a min_prob bound ------------------------------------------------------------------------------------
+
+
+class _SameEveryParent(Drafter):
+    """Every node's children drawn from one distribution, PROBS then a flat tail (as Medusa's heads, whatever
+    the parent), so a node's cumulative draft probability is the product of PROBS over its rank path; records
+    the depths it expands."""
+
+    feature_layers = ()
+    max_depth = None
+
+    def __init__(self, probs: list[float], vocab_size: int = 16) -> None:
+        p = torch.full((vocab_size,), (1.0 - sum(probs)) / (vocab_size - len(probs)))
+        p[: len(probs)] = torch.tensor(probs)
+        self.logits, self.levels = p.log(), []
+
+    def root_logits(self):
+        return self.logits
+
+    def expand_batch(self, nodes, tokens, parents, parent_rows, depth):
+        self.levels.append(depth)
+        return self.logits.expand(nodes.numel(), -1)
+
+
+def _rank_paths(tree) -> list[tuple[int, ...]]:
+    parents, ranks = tree.parents.tolist(), tree.ranks.tolist()
+    paths = [()]
+    for node in range(1, len(parents)):
+        paths.append(paths[parents[node]] + (ranks[node],))
+    return paths[1:]
+
+
+PROBS = [0.6, 0.3, 0.05]
+
+
+def _cumulative(path: tuple[int, ...]) -> float:
+    return float(torch.tensor([PROBS[r] for r in path], dtype=torch.float64).prod())
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampling"])
+def test_a_min_prob_bound_keeps_the_nodes_at_or_above_it_and_stops_drafting_below_it(temperature):
+    """The bounded tree is the unbounded one's nodes whose cumulative draft probability reaches min_prob (a
+    prefix of each node's children in draw order, so recursive rejection sampling stays exact), and levels
+    past the last one with such a node are not drafted. When sampling, which nodes exist depends on slot
+    scores only: the same rank paths as greedy, whatever was drawn."""
+    draws = {"temperature": temperature, "vocab_size": 16}
+    full, bounded = _SameEveryParent(PROBS), _SameEveryParent(PROBS)
+    generator = torch.Generator().manual_seed(0)
+    unbounded_tree = propose(full, 3, DynamicTree(6, 3, 20), generator=generator, **draws)
+    tree = propose(bounded, 3, DynamicTree(6, 3, 20, min_prob=0.1), generator=generator, **draws)
+    expected = [p for p in _rank_paths(unbounded_tree) if _cumulative(p) >= 0.1 - 1e-9]
+    # 0.6, 0.3 | 0.36, 0.18, 0.18 | 0.216 and three of 0.108 | 0.1296; depth 5 (0.078) is drafted, not kept
+    assert sorted(_rank_paths(tree)) == sorted(expected) and len(expected) == 10
+    assert full.levels == [1, 2, 3, 4, 5] and bounded.levels == [1, 2, 3, 4]
+    for node, children in enumerate(tree.children):  # kept children: the first ones drawn
+        assert sorted(tree.ranks[children].tolist()) == list(range(len(children))), node
+    ancestors = tree.ancestors.tolist()
+    assert all(ancestors[i][tree.parents[i]] for i in range(1, len(tree)))
+    if temperature == 0:
+        assert tree.tokens[1:3].tolist() == [0, 1]  # the depth-1 nodes: the top two
+    # a bound above the best first draft: the root alone, nothing drafted past it
+    alone = _SameEveryParent(PROBS)
+    root = propose(alone, 3, DynamicTree(6, 3, 20, min_prob=0.7), generator=generator, **draws)
+    assert len(root) == 1 and root.tokens.tolist() == [3] and alone.levels == []
+    # a budget below the bound's count: the best nodes, as without a bound
+    small = propose(
+        _SameEveryParent(PROBS), 3, DynamicTree(6, 3, 4, min_prob=0.1), generator=generator, **draws
+    )
+    assert sorted(_rank_paths(small)) == [(0,), (0, 0), (0, 0, 0), (1,)]

@@ -18,6 +18,7 @@ from decode.tree import (
     default_tree,
     resolve_tree,
     select_nodes,
+    tree_label,
     verify_rows,
 )
 
@@ -119,6 +120,19 @@ def test_dynamic_tree_rejects_zero(field):
     with pytest.raises(ValueError, match=f"DynamicTree.{field} must be >= 1, got -2"):
         DynamicTree(**{field: -2})
     assert DynamicTree(**{field: 1}) is not None
+
+
+@pytest.mark.parametrize("min_prob", [-0.1, 1.0, 2.0])
+def test_dynamic_tree_min_prob_is_a_probability_below_one(min_prob):
+    with pytest.raises(ValueError, match=rf"DynamicTree.min_prob must be in \[0, 1\), got {min_prob}"):
+        DynamicTree(min_prob=min_prob)
+
+
+def test_a_bounded_dynamic_tree_says_so_and_verifies_at_most_its_total():
+    bounded = DynamicTree(8, 4, 24, min_prob=0.05)
+    assert tree_label(bounded) == "dynamic(depth=8, top_k=4, total=24, min_prob=0.05)"
+    assert tree_label(DynamicTree(8, 4, 24)) == "dynamic(depth=8, top_k=4, total=24)"
+    assert verify_rows(bounded) == 25
 
 
 def test_draft_tree_children_by_rank():
