@@ -43,8 +43,8 @@ class DynamicTree:
     drafting stops at the first level with no node at or above it. Confident steps get the full tree,
     uncertain ones a few nodes or none (a plain step), so a deep tree costs little where it would not be
     accepted. Lossless like the rest: the bound reads slot scores only, never a node's own sampled value.
-    Measured with the shipped EAGLE-3 head on this project's 2-core CPU (docs/benchmark.md): greedy,
-    (8, 4, 24) at 0.05 beat (5, 4, 12) on chat, instruction and code; at temperature 1 it did not (the draft's
+    Measured with the shipped EAGLE-3 head on this project's 2-core CPU (docs/cpu.md): greedy, (8, 4, 24) at
+    0.05 beat (5, 4, 12) on chat, instruction and code; at temperature 1 in two runs of three (the draft's
     probabilities understate what the lossless rule accepts, so the bound prunes nodes that would pass)."""
 
     depth: int = 5
