@@ -256,7 +256,7 @@ def sizing_record(
 
 
 def build_methods(
-    model, model_name: str, paths: dict[str, str | None], eagle3_trees=()
+    model, model_name: str, paths: dict[str, str | None], eagle3_trees=(), medusa1_trees=()
 ) -> tuple[list[Method], dict, dict]:
     """The methods to compare, in report order, the loaded heads by name, and the targets by name.
 
@@ -267,6 +267,7 @@ def build_methods(
             and lora/); None or absent: left out.
         eagle3_trees: (depth, top_k, total_tokens) or (depth, top_k, total_tokens, min_prob) of more EAGLE-3
             dynamic trees.
+        medusa1_trees: the same, of Medusa-1 dynamic trees (depth at most its heads).
     """
     loaded = {
         name: load_heads(paths[name], target=model)
@@ -288,12 +289,21 @@ def build_methods(
     if "eagle3" in loaded:
         methods.append(Method("EAGLE-3 static", loaded["eagle3"], "tree8", tree_label=tree_label("tree8")))
         methods.append(Method("EAGLE-3 dynamic", loaded["eagle3"], DEFAULT_EAGLE_TREE, tree_label=dynamic))
-        for spec in eagle3_trees:
-            tree = DynamicTree(*spec)
-            bound = f" p>={tree.min_prob:g}" if tree.min_prob > 0 else ""
-            name = f"EAGLE-3 dynamic {tree.depth}/{tree.top_k}/{tree.total_tokens}{bound}"
-            methods.append(Method(name, loaded["eagle3"], tree, tree_label=tree_label(tree)))
+        methods += dynamic_methods("EAGLE-3", loaded["eagle3"], eagle3_trees)
+    if "medusa1" in loaded:
+        methods += dynamic_methods("Medusa-1", loaded["medusa1"], medusa1_trees)
     return methods, loaded, targets
+
+
+def dynamic_methods(label: str, heads, specs) -> list[Method]:
+    """One method per (depth, top_k, total_tokens[, min_prob]) spec, named by it."""
+    methods = []
+    for spec in specs:
+        tree = DynamicTree(*spec)
+        bound = f" p>={tree.min_prob:g}" if tree.min_prob > 0 else ""
+        name = f"{label} dynamic {tree.depth}/{tree.top_k}/{tree.total_tokens}{bound}"
+        methods.append(Method(name, heads, tree, tree_label=tree_label(tree)))
+    return methods
 
 
 def rotated(order: list, index: int) -> list:
@@ -397,6 +407,7 @@ def benchmark(
     seed: int = 0,
     size_tree: bool = False,
     eagle3_trees=(),
+    medusa1_trees=(),
     medusa1_nodes=(),
     pretranspose: bool | None = None,
     int8_draft: bool | None = None,
@@ -413,7 +424,7 @@ def benchmark(
         pretranspose, int8_draft, onednn: `decode.prepare`'s options, the same for every method, plain
             decoding included (None: where they help on this device).
     """
-    methods, loaded, targets = build_methods(model, model_name, paths, eagle3_trees)
+    methods, loaded, targets = build_methods(model, model_name, paths, eagle3_trees, medusa1_trees)
     layout = {"pretranspose": pretranspose, "int8_draft": int8_draft, "onednn": onednn}
     results: dict = {
         "model": model_name,

@@ -66,6 +66,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="DEPTH TOP_K TOTAL [MIN_PROB]",
         help="one more EAGLE-3 dynamic tree (repeatable); MIN_PROB: decode.DynamicTree's confidence bound",
     )
+    add(
+        "--medusa1-dynamic",
+        nargs="+",
+        action="append",
+        default=[],
+        metavar="DEPTH TOP_K TOTAL [MIN_PROB]",
+        help="a Medusa-1 dynamic tree (repeatable; depth at most the heads'), beside its static tree16",
+    )
     add("--prompts", type=int, default=4, help="prompts per category")
     add("--calibration-prompts", type=int, default=4, help="chat prompts for --size-tree")
     add("--max-new-tokens", type=int, default=96)
@@ -115,7 +123,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             )
         for name, path in found.items():
             setattr(args, name, getattr(args, name) or str(path))
-    args.eagle3_tree = [tree_spec(parser, values) for values in args.eagle3_tree]
+    args.eagle3_tree = [tree_spec(parser, "--eagle3-tree", values) for values in args.eagle3_tree]
+    args.medusa1_dynamic = [tree_spec(parser, "--medusa1-dynamic", values) for values in args.medusa1_dynamic]
     if args.batch_sizes and not (args.eagle3 or args.medusa1):
         parser.error("--batch-sizes needs --eagle3 or --medusa1 (the head every row drafts with)")
     if args.medusa1_tree and not (args.size_tree and args.medusa1):
@@ -125,15 +134,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def tree_spec(parser: argparse.ArgumentParser, values: list[str]) -> tuple:
-    """(depth, top_k, total[, min_prob]) of one --eagle3-tree, checked as `DynamicTree` checks it."""
+def tree_spec(parser: argparse.ArgumentParser, option: str, values: list[str]) -> tuple:
+    """(depth, top_k, total[, min_prob]) of one --eagle3-tree or --medusa1-dynamic, checked as `DynamicTree`
+    checks it."""
     try:
         if len(values) not in (3, 4):
             raise ValueError(f"{len(values)} values; expected DEPTH TOP_K TOTAL [MIN_PROB]")
         spec = (*map(int, values[:3]), *map(float, values[3:]))
         DynamicTree(*spec)
     except ValueError as err:
-        parser.error(f"--eagle3-tree {' '.join(values)}: {err}")
+        parser.error(f"{option} {' '.join(values)}: {err}")
     return spec
 
 
@@ -163,6 +173,7 @@ def main(argv: list[str] | None = None) -> dict:
             seed=args.seed,
             size_tree=args.size_tree,
             eagle3_trees=args.eagle3_tree,
+            medusa1_trees=args.medusa1_dynamic,
             medusa1_nodes=args.medusa1_tree,
             pretranspose=args.pretranspose,
             int8_draft=args.int8_draft,

@@ -79,6 +79,11 @@ def test_bench_runs_every_method_and_writes_reports(tmp_path, tiny_target_dir, h
             "2",
             "5",
             "0.3",
+            "--medusa1-dynamic",
+            "3",
+            "3",
+            "6",
+            "0.05",
             "--medusa1-tree",
             "6",
             "--out",
@@ -115,6 +120,9 @@ def test_bench_runs_every_method_and_writes_reports(tmp_path, tiny_target_dir, h
     assert wide["tree"].startswith("measured acceptance: static, ") and wide["draft_nodes_per_step"] <= 6
     extra = next(r for r in results["rows"] if r["method"] == "EAGLE-3 dynamic 3/2/5")
     assert extra["tree"] == "dynamic(depth=3, top_k=2, total=5)" and extra["draft_nodes_per_step"] <= 5
+    medusa = next(r for r in results["rows"] if r["method"] == "Medusa-1 dynamic 3/3/6 p>=0.05")
+    assert medusa["tree"] == "dynamic(depth=3, top_k=3, total=6, min_prob=0.05)"
+    assert medusa["draft_nodes_per_step"] <= 6
     bounded = next(r for r in results["rows"] if r["method"] == "EAGLE-3 dynamic 3/2/5 p>=0.3")
     assert bounded["tree"] == "dynamic(depth=3, top_k=2, total=5, min_prob=0.3)"
     assert (
@@ -242,10 +250,9 @@ def test_bench_batch_sizes_compares_plain_tree_and_policy_per_batch(
         (["3", "0", "5"], "DynamicTree.top_k must be >= 1, got 0"),
     ],
 )
-def test_bench_eagle3_tree_names_what_is_wrong(tmp_path, head_dirs, capsys, values, message):
+def test_bench_dynamic_trees_name_what_is_wrong(tmp_path, head_dirs, capsys, values, message):
     bench = runpy.run_path(str(SCRIPT))
-    with pytest.raises(SystemExit):
-        bench["main"](
-            ["--eagle3", str(head_dirs / "eagle3"), "--eagle3-tree", *values, "--out", str(tmp_path)]
-        )
-    assert f"--eagle3-tree {' '.join(values)}: {message}" in capsys.readouterr().err
+    for option in ("--eagle3-tree", "--medusa1-dynamic"):
+        with pytest.raises(SystemExit):
+            bench["main"](["--eagle3", str(head_dirs / "eagle3"), option, *values, "--out", str(tmp_path)])
+        assert f"{option} {' '.join(values)}: {message}" in capsys.readouterr().err
