@@ -127,6 +127,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.medusa1_dynamic = [tree_spec(parser, "--medusa1-dynamic", values) for values in args.medusa1_dynamic]
     if args.batch_sizes and not (args.eagle3 or args.medusa1):
         parser.error("--batch-sizes needs --eagle3 or --medusa1 (the head every row drafts with)")
+    if args.batch_rowwise and args.eagle3_tree[:1] and DynamicTree(*args.eagle3_tree[0]).min_prob > 0:
+        parser.error(  # before the calibration, not after it (decode.batch refuses it)
+            "--batch-rowwise times rows drafting one by one, which a MIN_PROB bound on the first "
+            "--eagle3-tree refuses (it sizes the rows' trees together)"
+        )
     if args.medusa1_tree and not (args.size_tree and args.medusa1):
         parser.error(
             "--medusa1-tree needs --size-tree and --medusa1 (it builds trees from the measured acceptance)"

@@ -256,3 +256,11 @@ def test_bench_dynamic_trees_name_what_is_wrong(tmp_path, head_dirs, capsys, val
         with pytest.raises(SystemExit):
             bench["main"](["--eagle3", str(head_dirs / "eagle3"), option, *values, "--out", str(tmp_path)])
         assert f"{option} {' '.join(values)}: {message}" in capsys.readouterr().err
+
+
+def test_bench_batch_rowwise_refuses_a_bounded_tree_before_calibrating(tmp_path, head_dirs, capsys):
+    bench = runpy.run_path(str(SCRIPT))
+    args = ["--eagle3", str(head_dirs / "eagle3"), "--batch-sizes", "2", "--batch-rowwise"]
+    with pytest.raises(SystemExit):
+        bench["main"]([*args, "--eagle3-tree", "3", "2", "5", "0.1", "--out", str(tmp_path)])
+    assert "--batch-rowwise times rows drafting one by one" in capsys.readouterr().err
