@@ -103,18 +103,26 @@ class Tally:
         }
 
 
-def load_prompts(data_dir: Path, n: int, calibration: int) -> tuple[dict[str, list[dict]], list[dict]]:
-    """{category: first n rows} of prompts_eval.jsonl (chat, instruction) and prompts_code_eval.jsonl (code),
-    and the calibration rows: the last chat rows, disjoint from the benchmark rows."""
+def load_prompts(
+    data_dir: Path, n: int, calibration: int, skip: int = 0
+) -> tuple[dict[str, list[dict]], list[dict]]:
+    """{category: n rows after the first `skip`} of prompts_eval.jsonl (chat, instruction) and
+    prompts_code_eval.jsonl (code), and the calibration rows: the last chat rows, disjoint from the benchmark
+    rows. `skip` picks rows that a run with skip=0 never reports, to choose trees or bounds on."""
     rows = [json.loads(line) for line in (data_dir / "prompts_eval.jsonl").read_text().splitlines()]
     chat = [r for r in rows if r["source"] in CHAT_SOURCES]
     instruction = [r for r in rows if r["source"] not in CHAT_SOURCES]
     code = [json.loads(line) for line in (data_dir / "prompts_code_eval.jsonl").read_text().splitlines()]
-    if n + calibration > len(chat):
+    if skip + n + calibration > len(chat):
         raise SystemExit(
-            f"--prompts {n} + --calibration-prompts {calibration} exceed the {len(chat)} chat prompts"
+            f"--skip-prompts {skip} + --prompts {n} + --calibration-prompts {calibration} exceed the "
+            f"{len(chat)} chat prompts"
         )
-    return {"chat": chat[:n], "instruction": instruction[:n], "code": code[:n]}, chat[
+    for name, found in (("instruction", instruction), ("code", code)):
+        if skip + n > len(found):
+            raise SystemExit(f"--skip-prompts {skip} + --prompts {n} exceed the {len(found)} {name} prompts")
+    window = slice(skip, skip + n)
+    return {"chat": chat[window], "instruction": instruction[window], "code": code[window]}, chat[
         len(chat) - calibration :
     ]
 

@@ -7,8 +7,9 @@ head type against plain decoding and transformers' prompt-lookup decoding, measu
     python scripts/bench.py --pretrained --prompts 10 --max-new-tokens 64   # the heads in pretrained/
 
 Prompts (never trained on): chat and instruction-following from data/smollm2/prompts_eval.jsonl (the first
---prompts of each category), code from prompts_code_eval.jsonl (HumanEval). Tree sizing calibrates on the LAST
---calibration-prompts chat prompts of the same file, disjoint from the benchmark prompts.
+--prompts of each category, or those after the first --skip-prompts), code from prompts_code_eval.jsonl
+(HumanEval). Tree sizing calibrates on the LAST --calibration-prompts chat prompts of the same file, disjoint
+from the benchmark prompts.
 
 Per prompt, plain decoding and every method run back to back in a rotating order (drift hits all alike). At
 temperature 0 every output is compared token for token with plain decoding (counted in the `same as plain`
@@ -75,6 +76,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="a Medusa-1 dynamic tree (repeatable; depth at most the heads'), beside its static tree16",
     )
     add("--prompts", type=int, default=4, help="prompts per category")
+    skip = "start each category after its first N prompts: rows a default run never reports, to tune trees on"
+    add("--skip-prompts", type=int, default=0, metavar="N", help=skip)
     add("--calibration-prompts", type=int, default=4, help="chat prompts for --size-tree")
     add("--max-new-tokens", type=int, default=96)
     add("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
@@ -161,7 +164,9 @@ def main(argv: list[str] | None = None) -> dict:
     model, tokenizer = load_target(args.model)
     if args.batch_sizes:
         return batched(args, model, tokenizer, argv)
-    prompts, calibration = load_prompts(DATA, args.prompts, args.calibration_prompts if args.size_tree else 0)
+    prompts, calibration = load_prompts(
+        DATA, args.prompts, args.calibration_prompts if args.size_tree else 0, args.skip_prompts
+    )
     paths = {name: getattr(args, name) for name in ("medusa1", "eagle1", "eagle3", "medusa2")}
     results = {
         "command": "python scripts/bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),

@@ -119,6 +119,18 @@ def test_load_prompts_splits_categories_and_keeps_calibration_apart(tmp_path):
     assert [r["id"] for r in calibration] == ["c3", "c4"]
     with pytest.raises(SystemExit, match="--prompts 4 \\+ --calibration-prompts 2 exceed the 5 chat prompts"):
         load_prompts(tmp_path, 4, 2)
+    # rows that a run of 2 prompts without skip never shows; the calibration rows stay where they were
+    skipped, calibration = load_prompts(tmp_path, 1, 2, skip=2)
+    assert {k: [r["id"] for r in v] for k, v in skipped.items()} == {
+        "chat": ["c2"],
+        "instruction": ["i2"],
+        "code": ["HumanEval/2"],
+    }
+    assert [r["id"] for r in calibration] == ["c3", "c4"]
+    with pytest.raises(SystemExit, match="--skip-prompts 2 \\+ --prompts 2 exceed the 3 instruction prompts"):
+        load_prompts(tmp_path, 2, 0, skip=2)
+    with pytest.raises(SystemExit, match="--skip-prompts 2 \\+ --prompts 2 \\+ --calibration-prompts 2"):
+        load_prompts(tmp_path, 2, 2, skip=2)
 
 
 def summary(tau: float, speedup: float, identical: int) -> dict:
