@@ -17,7 +17,7 @@
 # own configs; `bash scripts/reproduce_smollm2.sh shipped` runs only this part: EAGLE-3 stage 1 over 6,599
 # chats (its dump 25 min here, two epochs 49 min), stage 2 over all 8,135 from stage 1's head (its dump 29 min,
 # two epochs under bf16 autocast about 40 min), Medusa-1 2,000 steps online over the 6,599 (37 min; 63 min
-# on another machine), the benchmark of both (13-19 min), their cards. Without stage 2 it ran end to end in
+# on another machine), the benchmark of both (19-33 min), their cards. Without stage 2 it ran end to end in
 # 2 h 6 min on 2 cores (2026-12-03, in a fresh clone, one-ResBlock Medusa-1 heads); stage 2's times are those of
 # the run that made the shipped head.
 set -euo pipefail
@@ -41,7 +41,8 @@ shipped() {
         python scripts/ship_head.py "runs/${name}_smollm2_ship/head" --name "$name" --command "${trained[$name]}"
     done
     python scripts/bench.py --pretrained --prompts 10 --max-new-tokens 64 --temperatures 0 1 --size-tree \
-        --eagle3-tree 6 3 20 --eagle3-tree 8 3 24 --eagle3-tree 8 4 24 0.05 --out "$bench"
+        --eagle3-tree 6 3 20 --eagle3-tree 8 3 24 --eagle3-tree 8 4 24 0.05 --medusa1-dynamic 3 3 9 0.05 \
+        --out "$bench"
     for name in eagle3 medusa1; do
         python scripts/ship_head.py "runs/${name}_smollm2_ship/head" --name "$name" --command "${trained[$name]}" \
             --bench "$bench/bench.json"
