@@ -15,11 +15,10 @@
 #
 # Then the heads shipped in pretrained/smollm2-135m-instruct/ (their cards say what they measured), from their
 # own configs; `bash scripts/reproduce_smollm2.sh shipped` runs only this part: EAGLE-3 stage 1 over 6,599
-# chats (its dump 25 min here, two epochs 49 min), stage 2 over all 8,135 from stage 1's head (its dump 29 min,
-# two epochs under bf16 autocast about 40 min), Medusa-1 2,000 steps online over the 6,599 (37 min; 63 min
-# on another machine), the benchmark of both (19-33 min), their cards. Without stage 2 it ran end to end in
-# 2 h 6 min on 2 cores (2026-12-03, in a fresh clone, one-ResBlock Medusa-1 heads); stage 2's times are those of
-# the run that made the shipped head.
+# chats (its dump 25-38 min, two epochs 49-67 min), stage 2 over all 8,135 from stage 1's head (its dump 29-44
+# min, two epochs under bf16 autocast 40-57 min), Medusa-1 2,000 steps online over the 6,599 (37-63 min), the
+# benchmark of both (19-33 min), their cards: about 4 h 50 min end to end on 2 AMD EPYC cores (2026-12-04, in a
+# fresh clone; docs/benchmark.md has what it rebuilt). Every stage resumes: rerun the same command after a kill.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
