@@ -18,7 +18,8 @@
 # chats (its dump 25-38 min, two epochs 49-67 min), stage 2 over all 8,135 from stage 1's head (its dump 29-44
 # min, two epochs under bf16 autocast 40-57 min), Medusa-1 2,000 steps online over the 6,599 (37-63 min), the
 # benchmark of both (19-33 min), their cards: about 4 h 50 min end to end on 2 AMD EPYC cores (2026-12-04, in a
-# fresh clone; docs/benchmark.md has what it rebuilt). Every stage resumes: rerun the same command after a kill.
+# fresh clone; docs/benchmark.md has what it rebuilt). After a kill rerun the same command: the dumps keep
+# their complete shards and training resumes from its newest state.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
