@@ -24,9 +24,10 @@ from transformers import DynamicCache
 
 from decode.accept import accept_greedy, accept_sampling, sample, tally_ranks, target_probs
 from decode.batch_draft import make_batch_drafter, propose_batch
+from decode.inputs import check_attention_mask, check_request, check_window, window_limit
 from decode.propose import Drafter, drafter_limits, make_drafter, propose
 from decode.timing import synchronize
-from decode.tree import resolve_tree, tree_label
+from decode.tree import resolve_tree, tree_label, verify_rows
 from heads.eagle import additive_mask
 from heads.features import FeatureCapture
 
@@ -87,16 +88,7 @@ def prefill(
         the batch state, the logits after each prompt's last token (B, V), and the captured features
         (B, T, F) or None.
     """
-    if input_ids.dim() != 2 or input_ids.shape != attention_mask.shape:
-        raise ValueError(
-            f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} must have "
-            "one (B, T) shape"
-        )
-    if bool((attention_mask[:, -1] == 0).any()):
-        raise ValueError("prompts must be left-padded: every row's last column must be a token (mask 1)")
-    mask = attention_mask.to(device=model.device, dtype=torch.long)
-    if bool((mask.sum(-1) == 0).any()):
-        raise ValueError("a prompt row has no tokens")
+    mask = check_attention_mask(attention_mask, tuple(input_ids.shape)).to(model.device)
     lengths = mask.sum(-1)
     # a sliding-window layer keeps only its window: a batch wider than it is laid out by one batched pass
     window = getattr(model.config.get_text_config(), "sliding_window", None)
@@ -263,17 +255,7 @@ def _padded(path: Tensor, width: int) -> Tensor:
     return torch.cat([path, path.new_full((width - path.numel(),), -1)])
 
 
-def stop_tokens(model: nn.Module, eos_token_id) -> set[int]:
-    """The stop token ids: `eos_token_id` (an id or a list), else the model's generation_config's."""
-    if eos_token_id is None:
-        eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if eos_token_id is None:
-        return set()
-    ids = eos_token_id if isinstance(eos_token_id, (list, tuple, set)) else [eos_token_id]
-    return {int(e) for e in ids}
-
-
-def truncate_at_stop(tokens: list[int], eos: set[int], max_new_tokens: int) -> list[int]:
+def truncate_at_stop(tokens: list[int], eos: frozenset[int], max_new_tokens: int) -> list[int]:
     """Cut at the first stop token (kept) and at max_new_tokens."""
     for i, token in enumerate(tokens):
         if token in eos:
@@ -344,12 +326,19 @@ def generate_batch(
     Returns:
         BatchOutput.
     """
-    if input_ids.dim() != 2:
-        raise ValueError(f"input_ids must be (B, T), got shape {tuple(input_ids.shape)}")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    request = check_request(
+        model,
+        input_ids,
+        attention_mask,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        eos_token_id=eos_token_id,
+        seed=seed,
+    )
+    input_ids, max_new_tokens, temperature = request.input_ids, request.max_new_tokens, request.temperature
+    top_p, top_k, eos, attention_mask = request.top_p, request.top_k, request.eos, request.attention_mask
     batch = input_ids.shape[0]
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
     together = None  # the batched drafter, when the rows draft together (`decode.batch_draft`)
@@ -383,8 +372,16 @@ def generate_batch(
             resolved[key] = resolve_tree(wanted, max_depth=max_depth, dynamic=dynamic, device=model.device)
         return resolved[key]
 
+    # a sliding-window target: refused before any work when the tree is known (the last step verifies it
+    # behind the prompt and all but the newest of max_new_tokens - 1 tokens), else step by step
+    window = window_limit(model)
+    if callable(tree):
+        check_window(window, input_ids.shape[1], "the prompt")
+    else:
+        fixed = spec_for(batch)
+        columns = input_ids.shape[1] + max_new_tokens - 2 + (verify_rows(fixed) if fixed is not None else 1)
+        check_window(window, columns, "this prompt and max_new_tokens")
     generator = torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None
-    eos = stop_tokens(model, eos_token_id)
     vocab_size = model.get_output_embeddings().weight.shape[0]
 
     synchronize(model.device)
@@ -468,6 +465,7 @@ def generate_batch(
                     f"the rows' trees differ in size ({sorted(sizes)}): one size per step"
                 )
             size = sizes.pop()
+            check_window(window, state.columns + size, f"a step verifying {size} tokens")
             tokens = torch.stack([t.tokens for t in trees])  # (B, N)
             logits, step_features = verify_batch(
                 model,

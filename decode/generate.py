@@ -15,10 +15,11 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 
 from decode.accept import accept_greedy, accept_sampling, accept_typical, sample, tally_ranks, target_probs
-from decode.batch import BatchOutput, generate_batch, left_padded, stop_tokens, truncate_at_stop
+from decode.batch import BatchOutput, generate_batch, left_padded, truncate_at_stop
+from decode.inputs import check_request, check_window, window_limit
 from decode.propose import drafter_limits, float_dtype, make_drafter, propose
 from decode.timing import synchronize
-from decode.tree import resolve_tree
+from decode.tree import resolve_tree, verify_rows
 from decode.verify import compact_cache, verify
 from heads.eagle import EagleHead
 from heads.features import FeatureCapture
@@ -117,25 +118,28 @@ def generate(
     Returns:
         GenerateOutput with sequences and stats (tau counts the bonus token).
     Raises:
-        ValueError: bad arguments, or heads that do not fit the target (sizes, tapped layers, or a device or
-            floating dtype other than the target's; the message names both).
+        TypeError, ValueError: bad arguments, refused before any work (`decode.inputs`: id dtypes and range,
+            a mask that is not 0/1 or not left-padded, non-finite or out-of-range sampling parameters, a
+            request outgrowing a sliding window); or heads that do not fit the target (sizes, tapped layers,
+            or a device or floating dtype other than the target's; the message names both).
 
     A decoding step queues its device work (drafting, the tree mask and positions, verification, acceptance,
     cache compaction) without waiting for it, and reads back one small tensor: the accepted path and the
     tokens it emits (tests/decode/test_host_syncs.py counts the host round trips per step).
     """
-    if input_ids.dim() == 1:
-        input_ids = input_ids[None]
-    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
-        raise ValueError(f"input_ids must be a non-empty (1, T) prompt, got shape {tuple(input_ids.shape)}")
-    if max_new_tokens <= 0:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    if top_k < 0:
-        raise ValueError(f"top_k must be >= 0, got {top_k}")
+    request = check_request(
+        model,
+        input_ids,
+        attention_mask,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        eos_token_id=eos_token_id,
+        seed=seed,
+    )
+    input_ids, max_new_tokens, temperature = request.input_ids, request.max_new_tokens, request.temperature
+    top_p, top_k, eos = request.top_p, request.top_k, request.eos
     if acceptance not in ("lossless", "typical"):
         raise ValueError(f"acceptance must be 'lossless' or 'typical' (lossy), got {acceptance!r}")
     if acceptance == "typical" and temperature == 0:
@@ -149,7 +153,7 @@ def generate(
         return generate_batch(
             model,
             input_ids,
-            attention_mask,
+            request.attention_mask,
             heads,
             max_new_tokens=max_new_tokens,
             temperature=temperature,
@@ -157,7 +161,7 @@ def generate(
             top_k=top_k,
             tree=tree,
             seed=seed,
-            eos_token_id=eos_token_id,
+            eos_token_id=sorted(eos),
         )
     drafter = make_drafter(heads, model) if heads is not None else None
     device = model.device
@@ -165,8 +169,11 @@ def generate(
     if drafter is not None:
         max_depth, dynamic = drafter_limits(heads)
         tree_spec = resolve_tree(tree, max_depth=max_depth, dynamic=dynamic, device=device)
+        # the last step verifies its tree behind the prompt and all but the newest of max_new_tokens - 1
+        # tokens (plain decoding passes no mask of its own: the target applies its window itself)
+        columns = input_ids.shape[1] + max_new_tokens - 2 + verify_rows(tree_spec)
+        check_window(window_limit(model), columns, "this prompt and max_new_tokens")
     generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
-    eos = stop_tokens(model, eos_token_id)
     vocab_size = model.get_output_embeddings().weight.shape[0]
 
     synchronize(device)

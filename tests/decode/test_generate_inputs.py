@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from decode import generate
+from decode import generate, generate_batch
 from decode.layout import can_int8
 from decode.prepare import quantize_draft
 from heads.eagle import EagleConfig, EagleHead
@@ -70,6 +70,95 @@ BAD_CALLS = {
         r"unknown tree name 'tree99'.*chain4",
     ),
     "tree of wrong type": ({"heads": lambda m: _medusa(), "tree": 7}, TypeError, "got int"),
+    "float ids": ({"input_ids": PROMPT.float()}, TypeError, "integer token ids, got dtype torch.float32"),
+    "bool ids": ({"input_ids": PROMPT > 50}, TypeError, "integer token ids, got dtype torch.bool"),
+    "ids as a list": ({"input_ids": [[5, 17]]}, TypeError, "must be a torch.Tensor of token ids, got list"),
+    "id past the vocabulary": (
+        {"input_ids": torch.tensor([[5, 17, V]])},
+        ValueError,
+        r"input_ids row 0, column 2 holds 128, outside the target's vocabulary \[0, 128\)",
+    ),
+    "negative id": (
+        {"input_ids": torch.tensor([[5, 9], [-1, 3]]), "attention_mask": torch.ones(2, 2)},
+        ValueError,
+        r"row 1, column 0 holds -1, outside .*\(padding too must be a valid id\)",
+    ),
+    "empty batch": (
+        {"input_ids": torch.zeros(0, 5, dtype=torch.long)},
+        ValueError,
+        r"no prompts \(shape \(0, 5\)",
+    ),
+    "fractional new tokens": (
+        {"max_new_tokens": 2.5},
+        TypeError,
+        r"max_new_tokens must be an integer, got 2.5",
+    ),
+    "boolean new tokens": (
+        {"max_new_tokens": True},
+        TypeError,
+        "max_new_tokens must be an integer, got True",
+    ),
+    "fractional top_k": ({"temperature": 1.0, "top_k": 2.5}, TypeError, "top_k must be an integer, got 2.5"),
+    "nan temperature": (
+        {"temperature": float("nan")},
+        ValueError,
+        "temperature must be a finite number, got nan",
+    ),
+    "infinite temperature": (
+        {"temperature": float("inf")},
+        ValueError,
+        "temperature must be a finite number",
+    ),
+    "temperature as text": ({"temperature": "0.7"}, TypeError, "temperature must be a number, got '0.7'"),
+    "nan top_p": ({"temperature": 1.0, "top_p": float("nan")}, ValueError, "top_p must be a finite number"),
+    "float eos tensor": (
+        {"eos_token_id": torch.tensor([2.0])},
+        TypeError,
+        "eos_token_id must hold integer ids, got a torch.float32 tensor",
+    ),
+    "negative eos": ({"eos_token_id": -1}, ValueError, "eos_token_id must be >= 0, got -1"),
+    "eos past the vocabulary": (
+        {"eos_token_id": [500, 900]},
+        ValueError,
+        r"eos_token_id \[500, 900\] lies outside the target's vocabulary \[0, 128\)",
+    ),
+    "fractional seed": ({"seed": 1.5}, TypeError, "seed must be an integer, got 1.5"),
+    "mask of another shape": (
+        {"input_ids": PROMPT.repeat(2, 1), "attention_mask": torch.ones(2, 6)},
+        ValueError,
+        r"input_ids \(2, 7\) and attention_mask \(2, 6\) must have one \(B, T\) shape",
+    ),
+    "mask with a hole": (
+        {
+            "input_ids": PROMPT[:, :6].repeat(2, 1),
+            "attention_mask": torch.tensor([[1] * 6, [1, 0, 1, 1, 1, 1]]),
+        },
+        ValueError,
+        r"attention_mask row 1 is \[1, 0, 1, 1, 1, 1\]: prompts must be left-padded",
+    ),
+    "right-padded mask": (
+        {
+            "input_ids": PROMPT[:, :4].repeat(2, 1),
+            "attention_mask": torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]]),
+        },
+        ValueError,
+        r"attention_mask row 1 is \[1, 1, 0, 0\]",
+    ),
+    "mask of twos": (
+        {"input_ids": PROMPT, "attention_mask": torch.full((1, 7), 2)},
+        ValueError,
+        "attention_mask must hold only 0 and 1, found 2",
+    ),
+    "all-padding row": (
+        {"input_ids": PROMPT[:, :3].repeat(2, 1), "attention_mask": torch.tensor([[1, 1, 1], [0, 0, 0]])},
+        ValueError,
+        r"attention_mask row 1 has no tokens \(all padding\)",
+    ),
+    "mask as a list": (
+        {"attention_mask": [[1] * 7]},
+        TypeError,
+        "attention_mask must be a torch.Tensor, got list",
+    ),
     "heads on another device": (
         {"heads": lambda m: _medusa().to("meta")},
         ValueError,
@@ -96,6 +185,36 @@ def test_bad_input_raises(build_target, case):
         kwargs["heads"] = kwargs["heads"](model)
     with pytest.raises(error, match=message):
         generate(model, **kwargs)
+
+
+SHARED = [case for case, (kwargs, _, _) in BAD_CALLS.items() if not {"heads", "acceptance"} & set(kwargs)]
+
+
+@pytest.mark.parametrize("case", SHARED)
+def test_generate_batch_refuses_the_same_input(build_target, case):
+    """The batched entry point checks its arguments with the same code, before any work."""
+    model = build_target("llama")
+    kwargs, error, message = BAD_CALLS[case]
+    kwargs = {"input_ids": PROMPT, "max_new_tokens": 4, **kwargs}
+    with pytest.raises(error, match=message):
+        generate_batch(model, **kwargs)
+
+
+def test_integer_ids_of_any_width_decode_alike(build_target):
+    """int32 or uint8 ids are token ids like int64 ones (the loop works in int64)."""
+    model = build_target("llama")
+    reference = generate(model, PROMPT, max_new_tokens=5).sequences
+    for dtype in (torch.int32, torch.uint8):
+        assert generate(model, PROMPT.to(dtype), max_new_tokens=5).sequences.tolist() == reference.tolist()
+
+
+def test_eos_as_a_tensor_stops_like_an_int(build_target):
+    model = build_target("llama")
+    plain = generate(model, PROMPT, max_new_tokens=8).sequences[0, PROMPT.shape[1] :].tolist()
+    stop = plain[3]
+    for eos in (stop, torch.tensor(stop), torch.tensor([stop, 127])):
+        out = generate(model, PROMPT, max_new_tokens=8, eos_token_id=eos)
+        assert out.sequences[0, PROMPT.shape[1] :].tolist() == plain[: plain.index(stop) + 1]
 
 
 def test_wrong_heads_type_raises_type_error(build_target):
