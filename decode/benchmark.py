@@ -191,8 +191,9 @@ def run_ours(
     model, ids: torch.Tensor, method: Method, max_new_tokens: int, temperature: float, seed: int, layout: dict
 ) -> dict:
     """`decode.generate` after `decode.prepare(model, heads, tree, **layout)` (untimed: it re-packs the
-    weights for this method's tree); `seconds` are timed by `generate` between device synchronisations."""
-    prepare(model, method.heads, method.tree, **layout)
+    weights for this method's tree, keeping the copies that still hold their weights: nothing writes weights
+    here); `seconds` are timed by `generate` between device synchronisations."""
+    prepare(model, method.heads, method.tree, **layout, refresh=False)
     out = generate(
         model,
         ids,

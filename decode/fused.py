@@ -29,6 +29,7 @@ from decode.layout import (
     pack_linears,
     packed_rows,
     pretranspose_linears,
+    steps_over,
     transpose_min_rows,
 )
 from heads.eagle import DraftCache, EagleHead, causal_mask
@@ -167,15 +168,21 @@ class FusedEagleStep:
 
 
 def _fingerprint(head: EagleHead) -> tuple:
-    """Changes when the head's weights are updated in place or its layers are swapped, pretransposed or
-    packed."""
+    """Changes when the head's weights are replaced or updated in place (optimizer steps included: fused ones
+    bump no version counter) or its layers are swapped, pretransposed or packed."""
     return (
-        tuple((id(p), p._version, p.device, p.dtype) for p in head.parameters()),
+        tuple((id(p), p.data_ptr(), p._version, steps_over(p), p.device, p.dtype) for p in head.parameters()),
         tuple(id(m) for m in head.modules()),
         is_pretransposed(head),
         packed_rows(head),
         is_onednn(head),
     )
+
+
+def forget_fused_step(head: nn.Module) -> None:
+    """Drop the head's `FusedEagleStep` (built again at its next use): after writes through `weight.data`,
+    which no fingerprint sees."""
+    head.__dict__.pop(_CACHE, None)
 
 
 def fused_step(head: EagleHead) -> FusedEagleStep:

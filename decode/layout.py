@@ -11,8 +11,8 @@ project's 2-core CPU (fp32, MKL, microseconds per call, standard / transposed st
 `pretranspose_linears` keeps both layouts: one-row inputs use the original weight (plain decoding runs exactly
 as before), inputs of `min_rows` rows or more use the transposed copy. The patched layers compute the same
 product (fp32 rounding may differ in the last bits, as it already does between different row counts), so
-greedy speculative decoding still matches plain decoding token for token. Inference only: the copy is taken
-once and does not follow later changes to the weight's values.
+greedy speculative decoding still matches plain decoding token for token. The copy serves inference only,
+and only while it holds the weight (see "When a copy is read" below).
 
 `int8_linears(module)` swaps Linear layers for int8 weights (per output channel) with int8 dynamic
 activations, fbgemm's x86 kernels; `decode.prepare.quantize_draft` applies it to the draft only. Draft passes
@@ -53,24 +53,26 @@ and over the whole default target (ms per forward above 200 cached tokens, MKL w
 copies / oneDNN): 1 token 49.1 / 31.6, 4 tokens 66.3 / 32.6, 13 tokens 73.4 / 40.5, 24 tokens 92.1 / 48.6.
 A row's result does not depend on the other rows of its call (measured: a row alone and inside 13 rows give
 bitwise the same lm_head output), so verification scores a tree node exactly as plain decoding scores the
-same prefix, where the MKL layouts differ in the last bits. The reordered weight is an opaque mkldnn tensor
-that cannot follow `.to()`; a layer uses it only while its weight is the very tensor it was taken from
-(same storage, no in-place change since; the record holds that storage, so a weight moved or cast away and
-back cannot land on the old address) and the input is an fp32 CPU tensor outside autocast that needs no
-gradient (neither input, weight nor bias). Anything else (a moved, cast or edited weight, another dtype,
-autocast, a pass that autograd records) runs the ordinary `F.linear`, so a stale copy is never read and
-gradients still flow; a stale copy is freed at the layer's next call. One edit goes unseen: writing through
-`weight.data` in place (`w.data += d`) bumps no version counter, so after such an edit call `onednn_linears`
-again with `force=True` (or `drop_onednn`). `heads.target.merge_lora` merges by replacing storage, which is
-seen.
+same prefix, where the MKL layouts differ in the last bits.
 
-The transposed copy is a non-persistent buffer of its layer: `state_dict()` is unchanged, and `.to()` moves
-and casts it with the weight, which keeps it valid wherever it goes (the same values, cast the same way). The
-packed weight cannot follow: it is an opaque MKL (mkldnn) tensor that `Module.to()` can neither move nor cast
-(torch raises inside `_apply`), so it is held beside the module's tensors and stays on the CPU. A layer
-moved off the CPU or cast to another dtype therefore refuses inputs of its packed row count, with an error
-naming the layer, until `pack_linears(module, None)` (or `decode.prepare` on the new device or dtype, which
-calls it) drops the packed weight; other row counts run as usual.
+When a copy is read. The three copies (oneDNN's reordered weight, the transposed copy, the packed weight) are
+taken from fp32 CPU weights and held beside the module's tensors: `state_dict()` does not save them and
+`.to()` does not move them (the reordered and packed ones are opaque mkldnn tensors it could not move). A
+layer reads a copy only while its weight is the very tensor the copy was taken from, unchanged: the same
+storage (the copy's record keeps it alive, so a weight moved or cast away and back cannot land on the old
+address), dtype and shape, the same version counter (in-place writes through the parameter, such as
+`load_state_dict`, bump it), and the same count of optimizer steps. That count is needed because fused
+optimizers (`fused=True` AdamW, Adam, SGD) update weights in place without bumping their version counters:
+importing this module registers a global optimizer step post-hook that counts a step on every tensor the
+stepping optimizer holds. Tensors no optimizer holds keep their copies (a frozen target stays fast while an
+optimizer trains a draft head). The input must also be an fp32 CPU tensor outside autocast, in a pass that
+needs no gradient (neither input, weight nor bias): the copies have no backward. Anything else (a moved,
+cast, loaded, trained or edited weight, another dtype, autocast, a pass that autograd records) runs the
+ordinary `F.linear` with the weight, so a stale copy is never read and every weight gets its gradient; a
+stale copy is freed at the layer's next call, and the next `onednn_linears`, `pretranspose_linears` or
+`pack_linears` call takes a new one. One write goes unseen: through `weight.data` in place (`w.data += d`),
+which bumps no version counter; after such a write call them with `force=True`, or `decode.prepare`, which
+takes every copy again. `heads.target.merge_lora` merges by replacing storage, which is seen.
 
 A leaf: this module knows `nn.Linear` only (no heads, trees or decoding loop).
 """
@@ -79,62 +81,93 @@ from __future__ import annotations
 
 import types
 import warnings
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
-_WEIGHT_T = "_selfspec_weight_t"  # buffer: (out, in) view of the (in, out) row-major copy of the weight
-_PACKED = "_selfspec_packed"  # attribute: (rows, MKL's packed form of the fp32 weight for that many rows)
-_ONEDNN = "_selfspec_onednn"  # attribute: (weight it was taken from (detached), its version, reordered copy)
-
-
-def _onednn_valid(layer: nn.Linear, record: tuple) -> bool:
-    """The reordered copy still holds the layer's weight: same storage, no in-place change since. `record`
-    keeps the source storage alive, so a different storage can never sit at its address."""
-    weight, (source, version, _) = layer.weight, record
-    return weight.data_ptr() == source.data_ptr() and weight._version == version and _packable(weight)
+_ONEDNN = "_selfspec_onednn"  # layer attribute: a `_Copy` holding oneDNN's reordered weight
+_WEIGHT_T = "_selfspec_weight_t"  # layer attribute: a `_Copy` holding the (out, in) view of an (in, out) copy
+_PACKED = "_selfspec_packed"  # layer attribute: a `_Copy` holding MKL's packed weight for `rows` rows
+_STEPS = "_selfspec_steps"  # tensor attribute: how many optimizer steps have held it (see `_count_step`)
 
 
-def _current_onednn(layer: nn.Linear) -> Tensor | None:
-    """The layer's reordered weight while valid; a stale record is dropped (copy and old storage freed)."""
-    record = layer.__dict__.get(_ONEDNN)
-    if record is None:
-        return None
-    if _onednn_valid(layer, record):
-        return record[2]
-    del layer.__dict__[_ONEDNN]
+class _Copy(NamedTuple):
+    """A copy of a layer's weight in another layout, and the state of the weight it was taken from."""
+
+    tensor: Tensor  # the copy
+    source: Tensor  # the weight, detached: keeps its storage alive, so no other tensor can take its address
+    version: int  # the weight's version counter (bumped by in-place writes through the parameter)
+    steps: int  # optimizer steps over the weight (fused optimizers write without bumping the version)
+    rows: int | None = None  # a packed copy: the one row count it serves
+
+
+def _count_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    """After any optimizer step: count a step on every tensor the optimizer holds."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            setattr(param, _STEPS, getattr(param, _STEPS, 0) + 1)
+
+
+register_optimizer_step_post_hook(_count_step)  # global; a second one (a reload) would only count twice
+
+
+def _holds(weight: Tensor, copy: _Copy) -> bool:
+    """True while `weight` is the tensor `copy` was taken from, unchanged: same storage, dtype and shape, no
+    in-place write through it and no optimizer step over it since."""
+    return (
+        weight.data_ptr() == copy.source.data_ptr()
+        and weight._version == copy.version
+        and getattr(weight, _STEPS, 0) == copy.steps
+        and weight.dtype == copy.source.dtype
+        and weight.shape == copy.source.shape
+    )
+
+
+def _current(layer: nn.Module, key: str) -> _Copy | None:
+    """The layer's copy under `key` while it holds the layer's weight; a stale one is dropped (freed)."""
+    copy = layer.__dict__.get(key)
+    if copy is None or _holds(layer.weight, copy):
+        return copy
+    del layer.__dict__[key]
     return None
+
+
+def _take(layer: nn.Linear, key: str, make, rows: int | None = None) -> int:
+    """Store `make(weight)` as the layer's copy under `key` (the old copy freed first); returns its bytes."""
+    layer.__dict__.pop(key, None)
+    weight = layer.weight
+    with torch.no_grad():
+        source = weight.detach()
+        copy = make(source)
+    layer.__dict__[key] = _Copy(copy, source, weight._version, getattr(weight, _STEPS, 0), rows)
+    layer.forward = types.MethodType(_forward, layer)
+    return weight.numel() * weight.element_size()
 
 
 def _forward(self: nn.Linear, x: Tensor) -> Tensor:
     rows = x.numel() // x.shape[-1] if x.numel() else 0
-    onednn = _current_onednn(self)
-    if (
-        onednn is not None
-        and rows
+    if not (
+        rows
         and x.dtype == torch.float32
         and x.device.type == "cpu"
         and not torch.is_autocast_enabled("cpu")
-        and not (torch.is_grad_enabled() and _needs_grad(x, self))  # the kernel has no backward
+        and not (torch.is_grad_enabled() and _needs_grad(x, self))  # the copies have no backward
     ):
-        out = torch.ops.mkldnn._linear_pointwise(
-            x.reshape(rows, x.shape[-1]), onednn, self.bias, "none", [], ""
-        )
+        return nn.functional.linear(x, self.weight, self.bias)
+    flat = x.reshape(rows, x.shape[-1])
+    onednn = _current(self, _ONEDNN)  # looked up in the order they are preferred: one lookup on oneDNN CPUs
+    if onednn is not None:
+        out = torch.ops.mkldnn._linear_pointwise(flat, onednn.tensor, self.bias, "none", [], "")
         return out.reshape(*x.shape[:-1], out.shape[-1])
-    packed = self.__dict__.get(_PACKED)
-    if packed is not None and rows == packed[0]:
-        if not _packable(self.weight):
-            raise RuntimeError(
-                f"Linear layer {self._selfspec_name!r} holds an MKL-packed weight for {rows}-row inputs, "
-                f"valid on the CPU in float32 only, but it is now on {self.weight.device} / "
-                f"{str(self.weight.dtype).removeprefix('torch.')}; after moving or casting a prepared model, "
-                "call decode.prepare(model, heads, tree) again (or decode.layout.pack_linears(model, None))"
-            )
-        out = torch.ops.mkl._mkl_linear(x.reshape(rows, x.shape[-1]), packed[1], self.weight, self.bias, rows)
+    packed = _current(self, _PACKED)
+    if packed is not None and rows == packed.rows:
+        out = torch.ops.mkl._mkl_linear(flat, packed.tensor, self.weight, self.bias, rows)
         return out.reshape(*x.shape[:-1], out.shape[-1])
-    transposed = self._buffers.get(_WEIGHT_T)
-    weight = transposed if transposed is not None and rows >= self._selfspec_min_rows else self.weight
-    return nn.functional.linear(x, weight, self.bias)
+    transposed = _current(self, _WEIGHT_T)
+    use_t = transposed is not None and rows >= self._selfspec_min_rows
+    return nn.functional.linear(x, transposed.tensor if use_t else self.weight, self.bias)
 
 
 def _needs_grad(x: Tensor, layer: nn.Linear) -> bool:
@@ -145,6 +178,17 @@ def _needs_grad(x: Tensor, layer: nn.Linear) -> bool:
 
 def _packable(tensor: Tensor) -> bool:
     return tensor.device.type == "cpu" and tensor.dtype == torch.float32
+
+
+def _fp32_linears(module: nn.Module) -> list[nn.Linear]:
+    """The `nn.Linear` layers under `module` whose weight is fp32 on the CPU."""
+    return [layer for layer in module.modules() if isinstance(layer, nn.Linear) and _packable(layer.weight)]
+
+
+def steps_over(tensor: Tensor) -> int:
+    """How many optimizer steps have held `tensor` in this process (fused optimizers update weights without
+    bumping their version counters; this count sees them)."""
+    return getattr(tensor, _STEPS, 0)
 
 
 def can_pack() -> bool:
@@ -160,32 +204,25 @@ def can_onednn() -> bool:
 
 def onednn_linears(module: nn.Module, *, rows_hint: int = 64, force: bool = False) -> int:
     """Give every fp32 CPU `nn.Linear` under `module` oneDNN's reordered copy of its weight, used for inputs
-    of every row count (see the module docstring). Idempotent: a layer whose copy still matches its weight
+    of every row count (see the module docstring). Idempotent: a layer whose copy still holds its weight
     keeps it; one whose weight changed since gets a new copy. Other layers (other devices or dtypes, int8)
-    are left alone. Inference only (no autograd through the copy).
+    are left alone. Passes that autograd records run `F.linear`.
 
     Args:
         module: a frozen target or a draft head.
-        force: take every copy again, also those that look current (after writing weights through `.data`).
         rows_hint: the row count oneDNN picks its blocking for; any count runs. 64 measured best on the
             default target's lm_head from 1 to 17 rows (1 row 2.5 ms, 13 rows 3.0 ms, against 2.8 / 3.8 for
             a hint of 13 and 3.9 / 5.1 for a hint of 1).
+        force: take every copy again, also those that look current (after writing weights through `.data`).
     Returns:
         Bytes the copies hold (0 when nothing was patched or this build has no such kernels).
     """
     if not can_onednn():
         return 0
     held = 0
-    for name, layer in module.named_modules():
-        if not isinstance(layer, nn.Linear) or not _packable(layer.weight):
-            continue
-        if force or _current_onednn(layer) is None:
-            with torch.no_grad():
-                weight = layer.weight.detach()
-                copy = torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint)
-            layer.__dict__[_ONEDNN] = (weight, layer.weight._version, copy)
-            layer._selfspec_name = name or type(module).__name__
-            layer.forward = types.MethodType(_forward, layer)
+    for layer in _fp32_linears(module):
+        if force or _current(layer, _ONEDNN) is None:
+            _take(layer, _ONEDNN, lambda weight: torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint))
         held += layer.weight.numel() * layer.weight.element_size()
     return held
 
@@ -193,11 +230,7 @@ def onednn_linears(module: nn.Module, *, rows_hint: int = 64, force: bool = Fals
 def drop_onednn(module: nn.Module) -> int:
     """Remove the oneDNN copies `onednn_linears` gave the layers under `module` (they run `F.linear` again, or
     their MKL copies); returns how many layers had one."""
-    dropped = 0
-    for layer in module.modules():
-        if isinstance(layer, nn.Linear) and layer.__dict__.pop(_ONEDNN, None) is not None:
-            dropped += 1
-    return dropped
+    return sum(layer.__dict__.pop(_ONEDNN, None) is not None for layer in module.modules())
 
 
 def is_onednn(module: nn.Module) -> bool:
@@ -206,38 +239,37 @@ def is_onednn(module: nn.Module) -> bool:
 
 
 def onednn_weight(layer: nn.Module) -> Tensor | None:
-    """The layer's oneDNN reordered weight while it still matches the weight, else None (a stale one is
+    """The layer's oneDNN reordered weight while it still holds the weight, else None (a stale one is
     dropped)."""
-    return _current_onednn(layer) if isinstance(layer, nn.Linear) else None
+    return _tensor(layer, _ONEDNN)
 
 
-def pretranspose_linears(module: nn.Module, *, min_rows: int = 4) -> int:
-    """Give every CPU `nn.Linear` under `module` a transposed copy of its weight for inputs of `min_rows` or
-    more rows (see the module docstring). Idempotent; layers on other devices are left alone (GPU kernels do
-    not need it).
+def _tensor(layer: nn.Module, key: str) -> Tensor | None:
+    """The tensor of the layer's valid copy under `key`, or None."""
+    copy = _current(layer, key) if isinstance(layer, nn.Linear) else None
+    return None if copy is None else copy.tensor
+
+
+def pretranspose_linears(module: nn.Module, *, min_rows: int = 4, force: bool = False) -> int:
+    """Give every fp32 CPU `nn.Linear` under `module` a transposed copy of its weight for inputs of `min_rows`
+    or more rows (see the module docstring). Idempotent: a layer whose copy still holds its weight keeps it;
+    other layers (other devices or dtypes) are left alone. Passes that autograd records run `F.linear`.
 
     Args:
-        module: a frozen target or a draft head, in inference use.
+        module: a frozen target or a draft head.
         min_rows: smallest input row count (all leading dims multiplied) that uses the transposed copy.
+        force: take every copy again, also those that look current (after writing weights through `.data`).
     Returns:
-        Bytes of memory the copies added (0 when nothing was patched).
+        Bytes of memory the new copies hold (0 when every layer kept its copy).
     """
     if min_rows < 1:
         raise ValueError(f"min_rows must be >= 1, got {min_rows}")
     added = 0
-    for name, layer in module.named_modules():
-        if not isinstance(layer, nn.Linear) or layer.weight.device.type != "cpu":
-            continue
+    for layer in _fp32_linears(module):
         layer._selfspec_min_rows = min_rows
-        if _WEIGHT_T in layer._buffers:
-            continue
-        with torch.no_grad():
+        if force or _current(layer, _WEIGHT_T) is None:
             # (out, in) view of an (in, out) row-major copy: F.linear then multiplies by the contiguous copy
-            copy = layer.weight.detach().t().contiguous().t()
-        layer.register_buffer(_WEIGHT_T, copy, persistent=False)
-        layer._selfspec_name = name or type(module).__name__  # for error messages
-        layer.forward = types.MethodType(_forward, layer)
-        added += layer.weight.numel() * layer.weight.element_size()
+            added += _take(layer, _WEIGHT_T, lambda weight: weight.t().contiguous().t())
     return added
 
 
@@ -245,21 +277,18 @@ def drop_pretranspose(module: nn.Module) -> int:
     """Remove the transposed copies `pretranspose_linears` gave the layers under `module`, and their packed
     weights; returns how many layers had a copy."""
     pack_linears(module, None)
-    dropped = 0
-    for layer in module.modules():
-        if isinstance(layer, nn.Linear) and layer._buffers.pop(_WEIGHT_T, None) is not None:
-            dropped += 1
-    return dropped
+    return sum(layer.__dict__.pop(_WEIGHT_T, None) is not None for layer in module.modules())
 
 
 def is_pretransposed(module: nn.Module) -> bool:
-    """True when some `nn.Linear` under `module` carries the transposed copy."""
+    """True when some `nn.Linear` under `module` carries a valid transposed copy."""
     return any(transposed_weight(layer) is not None for layer in module.modules())
 
 
 def transposed_weight(layer: nn.Module) -> Tensor | None:
-    """The layer's transposed copy ((out, in), stored (in, out) row-major), or None when it has none."""
-    return layer._buffers.get(_WEIGHT_T) if isinstance(layer, nn.Linear) else None
+    """The layer's transposed copy ((out, in), stored (in, out) row-major) while it still holds the weight,
+    else None (a stale one is dropped)."""
+    return _tensor(layer, _WEIGHT_T)
 
 
 def transpose_min_rows(module: nn.Module) -> int | None:
@@ -269,49 +298,45 @@ def transpose_min_rows(module: nn.Module) -> int | None:
     )
 
 
-def pack_linears(module: nn.Module, rows: int | None) -> int:
+def pack_linears(module: nn.Module, rows: int | None, *, force: bool = False) -> int:
     """Make every pretransposed fp32 CPU `nn.Linear` under `module` multiply inputs of exactly `rows` rows
-    with an MKL-packed weight (see the module docstring); `rows=None` drops the packed weights, and so do
-    layers no longer fp32 on the CPU. A new row count replaces the previous one (the buffers are
-    large). A no-op where MKL packing is unavailable.
+    with an MKL-packed weight (see the module docstring); `rows=None` drops the packed weights. A new row
+    count replaces the previous one (the buffers are large). A no-op where MKL packing is unavailable.
 
     Args:
-        module: a module already passed to `pretranspose_linears` (other layers are left alone).
+        module: a module already passed to `pretranspose_linears` (layers without a valid transposed copy
+            are not packed).
         rows: the row count of the passes to speed up, typically `decode.tree.verify_rows(tree)`; >= 2.
+        force: pack every layer again, also those whose packed weight looks current.
     Returns:
         Bytes the packed buffers now hold (0 when nothing is packed).
     """
     if rows is not None and rows < 2:
         raise ValueError(f"rows must be >= 2 (one-row passes keep the original weight), got {rows}")
-    held, packable = 0, rows is not None and can_pack()
+    held = 0
     for layer in module.modules():
-        if transposed_weight(layer) is None:
+        if rows is None or not can_pack() or transposed_weight(layer) is None:
+            layer.__dict__.pop(_PACKED, None)
             continue
-        current = layer.__dict__.get(_PACKED)
-        if not packable or not _packable(layer.weight):
-            if current is not None:
-                del layer.__dict__[_PACKED]
-            continue
-        if current is None or current[0] != rows:
-            with torch.no_grad():
-                layer.__dict__[_PACKED] = (
-                    rows,
-                    torch.ops.mkl._mkl_reorder_linear_weight(layer.weight.detach(), rows),
-                )
-        buffer = layer.__dict__[_PACKED][1]
+        current = _current(layer, _PACKED)
+        if force or current is None or current.rows != rows:
+            _take(layer, _PACKED, lambda weight: torch.ops.mkl._mkl_reorder_linear_weight(weight, rows), rows)
+        buffer = layer.__dict__[_PACKED].tensor
         held += buffer.numel() * buffer.element_size()
     return held
 
 
 def packed_weight(layer: nn.Module) -> Tensor | None:
-    """The layer's MKL-packed weight (an opaque fp32 CPU tensor), or None when it has none."""
-    packed = layer.__dict__.get(_PACKED)
-    return None if packed is None else packed[1]
+    """The layer's MKL-packed weight (an opaque fp32 CPU tensor) while it still holds the weight, else
+    None."""
+    return _tensor(layer, _PACKED)
 
 
 def packed_rows(module: nn.Module) -> int | None:
     """The row count `module`'s layers are packed for, or None."""
-    return next((layer.__dict__[_PACKED][0] for layer in module.modules() if _PACKED in layer.__dict__), None)
+    return next(
+        (layer.__dict__[_PACKED].rows for layer in module.modules() if packed_weight(layer) is not None), None
+    )
 
 
 def can_int8() -> bool:

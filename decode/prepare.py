@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from decode.fused import forget_fused_step
 from decode.layout import (
     can_int8,
     can_onednn,
@@ -33,6 +34,7 @@ def prepare(
     pretranspose: bool | None = None,
     int8_draft: bool | None = None,
     onednn: bool | None = None,
+    refresh: bool = True,
 ) -> nn.Module | None:
     """Apply what the measurements in `decode/layout.py` support for decoding `model` with `heads` and `tree`;
     returns the heads to pass to `generate` (the same object, changed in place).
@@ -41,11 +43,18 @@ def prepare(
     decoding's included (`decode.layout.onednn_linears`; where oneDNN is missing, pretransposed weight copies
     for multi-token passes and MKL-packed weights for the tree's verify row count instead), and int8 draft
     weights where fbgemm is present (the draft's layers left in fp32 get the oneDNN copies too). Elsewhere
-    (CUDA, half precision) nothing is changed, except that packed weights a prepared model took along to
-    another device or dtype are dropped. Greedy output stays token for token that of plain decoding; int8
-    drafts can only move acceptance. Call it again with another tree before decoding with that tree
-    (re-packing takes about 0.2 s on the default target), or after moving the model; the other steps are done
-    once.
+    (CUDA, half precision) nothing is changed (copies an earlier call took on the CPU in fp32 are stale
+    there: never read, freed at the layers' next call). Greedy output stays token for token that of plain
+    decoding; int8 drafts can only move acceptance.
+
+    Every call takes the weight copies again from the current weights, also those that look current (and the
+    EAGLE head's fused draft step is built again): call it again with another tree before decoding with that
+    tree, after moving or casting the model, and after writing weights through `weight.data` (which the
+    layers cannot see). Other weight changes (an optimizer step, fused ones included, `load_state_dict`,
+    in-place edits) are seen by the layers themselves, which run plain `F.linear` until the next call
+    (docs/cpu.md, "When a weight copy is read"); `refresh=False` keeps the copies that still hold their
+    weights. The draft is quantized once. Training a prepared model is safe: passes that autograd records
+    never read the copies.
 
     Args:
         model: the target, in inference use.
@@ -57,6 +66,8 @@ def prepare(
         int8_draft: force int8 draft weights on or off; None: on where fbgemm's x86 kernels exist.
         onednn: force oneDNN's reordered weights on or off; None: on for fp32 CPU targets where this torch
             build has them; False removes copies an earlier call gave.
+        refresh: take every copy again (the default); False keeps the copies that still hold their weights,
+            for loops that prepare before each call and write no weights (`decode.benchmark`).
     """
     fast_cpu = model.device.type == "cpu" and getattr(model, "dtype", None) == torch.float32
     if int8_draft is None:
@@ -70,16 +81,19 @@ def prepare(
         quantize_draft(heads, model)
     for module in (model, heads) if head_module else (model,):
         if onednn:
-            onednn_linears(module)  # a head: the layers int8 left in fp32 (EAGLE's fc), or all of an fp32 one
+            # a head: the layers int8 left in fp32 (EAGLE's fc), or all of an fp32 one
+            onednn_linears(module, force=refresh)
             if not pretranspose:
                 drop_pretranspose(module)  # an earlier call's MKL copies, which fp32 inputs no longer read
         elif onednn is False:
             drop_onednn(module)
     if pretranspose:
-        pretranspose_linears(model)
+        pretranspose_linears(model, force=refresh)
         if head_module:
-            pretranspose_linears(heads)
-    pack_for_tree(model, heads, tree)
+            pretranspose_linears(heads, force=refresh)
+    pack_for_tree(model, heads, tree, force=refresh)
+    if head_module and refresh:
+        forget_fused_step(heads)  # its stacked draft weights are taken again at the next draft
     return heads
 
 
@@ -135,7 +149,7 @@ def is_int8_draft(heads: nn.Module) -> bool:
     return bool(quantized_layers(heads))
 
 
-def pack_for_tree(target: nn.Module, heads: nn.Module | None, tree) -> None:
+def pack_for_tree(target: nn.Module, heads: nn.Module | None, tree, *, force: bool = False) -> None:
     """Pack the pretransposed target for the tree's verify row count and, for a dynamic tree, an EAGLE head
     for its `top_k` rows per level (each level of a dynamic tree expands exactly top_k nodes). Modules that
     were not pretransposed are left alone; other trees and heads drop their packed weights, and so do layers
@@ -146,15 +160,16 @@ def pack_for_tree(target: nn.Module, heads: nn.Module | None, tree) -> None:
         heads: the draft heads passed to `generate` (or None for plain decoding).
         tree: the tree passed to `generate` (a `DynamicTree`, rank paths, a tree name, `TreeBuffers`
             or None for the heads' default tree).
+        force: pack again also the layers whose packed weight looks current.
     """
     if heads is None:
         pack_linears(target, None)
         return
     max_depth, dynamic = drafter_limits(heads)
     tree = resolve_tree(tree, max_depth=max_depth, dynamic=dynamic, device=target.device)
-    pack_linears(target, verify_rows(tree))
+    pack_linears(target, verify_rows(tree), force=force)
     if isinstance(heads, nn.Module):
-        pack_linears(heads, head_rows(heads, tree))
+        pack_linears(heads, head_rows(heads, tree), force=force)
 
 
 def head_rows(heads: nn.Module, tree) -> int | None:

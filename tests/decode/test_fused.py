@@ -18,7 +18,7 @@ from decode.layout import (
     pack_linears,
     pretranspose_linears,
 )
-from decode.prepare import quantize_draft
+from decode.prepare import prepare, quantize_draft
 from decode.propose import EagleDrafter, propose
 from decode.tree import DynamicTree
 from heads.eagle import DraftCache, EagleConfig, EagleHead, additive_mask
@@ -111,6 +111,33 @@ def test_fused_step_is_cached_and_rebuilt_when_the_head_changes(build_target):
     assert not torch.allclose(after, before)
     pretranspose_linears(head)  # a layout change rebuilds it too
     assert fused_step(head) is not rebuilt
+
+
+@pytest.mark.parametrize("write", ["fused adamw", "through .data, then prepare"])
+def test_fused_step_follows_writes_that_bump_no_version(build_target, write):
+    """A fused optimizer step and a write through `.data` leave every version counter as it was; the stacked
+    weights are taken again all the same (the first at once, the second at `decode.prepare`)."""
+    target = build_target("llama")
+    head = _head(target, "eagle3")
+    x, e, positions = _inputs(head, 4, 0, seed=3)
+    step = fused_step(head)
+    versions = [p._version for p in head.parameters()]
+    if write == "fused adamw":
+        optimizer = torch.optim.AdamW(head.parameters(), lr=0.5, fused=True)
+        with torch.enable_grad():
+            head(x, e, positions, DraftCache()).square().mean().backward()
+        optimizer.step()
+    else:
+        for param in head.parameters():
+            param.data.mul_(1.5)
+        prepare(copy.deepcopy(target), head, int8_draft=False)  # a copy: the shared target stays as it is
+    assert [p._version for p in head.parameters()] == versions  # the counters saw nothing
+    rebuilt = fused_step(head)
+    assert rebuilt is not step
+    with torch.no_grad():
+        expected = head(x, e, positions, DraftCache())
+        torch.testing.assert_close(rebuilt(x, e, positions, DraftCache()), expected, atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(step(x, e, positions, DraftCache()), expected, atol=1e-3)
 
 
 def test_fused_step_refuses_what_it_cannot_stack(build_target):

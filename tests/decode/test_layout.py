@@ -1,10 +1,10 @@
 """decode/layout.py: the transposed weight copy and the MKL-packed weights compute the same products, are used
-only for the row counts they are meant for, live in non-persistent buffers that follow `.to()` (a packed
-weight moved off the CPU or cast refuses, naming the layer), and speculative decoding on pretransposed models
+only for the row counts they are meant for, are not saved, and speculative decoding on pretransposed models
 still equals plain decoding token for token. The oneDNN reordered weights compute the same product for every
-row count, give a row the same bits alone or among others, and are read only while they hold the layer's
-weight (a moved, cast or edited weight, another input dtype or autocast runs `F.linear`). Head-aware steps
-(int8 drafts, packing per tree) are tested in test_prepare.py.
+row count and give a row the same bits alone or among others. Every copy is read only while it holds the
+layer's weight: a moved, cast or edited weight, an optimizer step (fused ones included), another input dtype,
+autocast or a pass autograd records runs `F.linear`. Head-aware steps (int8 drafts, packing per tree) and
+whole prepared models that are trained or loaded are tested in test_prepare.py.
 """
 
 import copy
@@ -16,6 +16,7 @@ from torch import nn
 from decode import generate
 from decode.layout import (
     _ONEDNN,
+    _PACKED,
     can_int8,
     can_onednn,
     can_pack,
@@ -29,6 +30,7 @@ from decode.layout import (
     packed_rows,
     packed_weight,
     pretranspose_linears,
+    steps_over,
     transpose_min_rows,
     transposed_weight,
 )
@@ -42,7 +44,7 @@ PROMPT = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(1
 @pytest.mark.parametrize("shape", [(1,), (1, 1), (3,), (5,), (2, 9)], ids=str)  # rows: 1, 1, 3, 5, 18
 def test_patched_linear_computes_the_same_product(shape, bias):
     torch.manual_seed(0)
-    layer = nn.Linear(24, 40, bias=bias)
+    layer = nn.Linear(24, 40, bias=bias).requires_grad_(False)  # frozen, as a target is
     inputs = torch.randn(*shape, 24)
     before = layer(inputs)
     assert pretranspose_linears(layer, min_rows=2) == 24 * 40 * 4
@@ -54,7 +56,7 @@ def test_patched_linear_computes_the_same_product(shape, bias):
 
 def test_copy_is_used_from_min_rows_on_and_calls_are_idempotent():
     torch.manual_seed(0)
-    layer = nn.Linear(8, 6)
+    layer = nn.Linear(8, 6).requires_grad_(False)
     assert pretranspose_linears(layer, min_rows=3) > 0 and is_pretransposed(layer)
     assert pretranspose_linears(layer, min_rows=3) == 0  # already patched: no second copy
     assert transpose_min_rows(layer) == 3 and transposed_weight(layer).t().is_contiguous()  # stored (in, out)
@@ -103,7 +105,7 @@ needs_mkl = pytest.mark.skipif(not can_pack(), reason="this torch build has no M
 @pytest.mark.parametrize("shape", [(5,), (1, 5), (5, 1)], ids=str)  # 5 rows, 2-D and 3-D
 def test_packed_linear_computes_the_same_product(shape, bias):
     torch.manual_seed(0)
-    layer = nn.Linear(24, 40, bias=bias)
+    layer = nn.Linear(24, 40, bias=bias).requires_grad_(False)
     inputs = torch.randn(*shape, 24)
     before = layer(inputs)
     pretranspose_linears(layer, min_rows=2)
@@ -117,15 +119,11 @@ def test_packed_linear_computes_the_same_product(shape, bias):
 @needs_mkl
 def test_packed_weight_is_read_at_exactly_its_row_count_and_replaced_or_dropped():
     torch.manual_seed(0)
-    layer = nn.Linear(8, 6)
+    layer = nn.Linear(8, 6).requires_grad_(False)
     pretranspose_linears(layer, min_rows=2)
-    # poison: pack a zero weight, then restore the weight (the packed copy does not follow later changes);
-    # only 3-row passes read it
-    weight = layer.weight.detach().clone()
-    with torch.no_grad():
-        layer.weight.zero_()
-        pack_linears(layer, 3)
-        layer.weight.copy_(weight)
+    pack_linears(layer, 3)
+    poisoned = torch.ops.mkl._mkl_reorder_linear_weight(torch.zeros(6, 8), 3)  # only 3-row passes read it
+    layer.__dict__[_PACKED] = layer.__dict__[_PACKED]._replace(tensor=poisoned)
     rows = torch.randn(4, 8)
     assert torch.equal(layer(rows[:3]), layer.bias.expand(3, 6))
     for n in (1, 2, 4):
@@ -145,47 +143,84 @@ def test_pack_linears_skips_layers_that_were_not_pretransposed_and_checks_rows()
 
 
 @needs_mkl
-def test_copies_are_non_persistent_buffers_that_follow_to():
+def test_copies_are_not_saved_and_a_cast_layer_runs_f_linear_until_given_new_ones():
     torch.manual_seed(0)
-    module = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 4))
+    module = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 4)).requires_grad_(False)
     keys = list(module.state_dict())
     pretranspose_linears(module, min_rows=2)
     pack_linears(module, 3)
-    assert list(module.state_dict()) == keys  # nothing new is saved
-    assert [name for name, _ in module.named_buffers()] == ["0._selfspec_weight_t", "2._selfspec_weight_t"]
+    assert list(module.state_dict()) == keys and not list(module.named_buffers())  # nothing saved or moved
+    module.to(torch.float64)  # new weights: every copy is stale, never read, and freed
+    assert not is_pretransposed(module) and packed_rows(module) is None
+    assert not any(key in layer.__dict__ for layer in module for key in (_PACKED, "_selfspec_weight_t"))
     inputs = torch.randn(5, 8, dtype=torch.float64)
-    module.to(torch.float64)  # the copies are cast with the weights
+    for rows in (1, 3, 5):  # the float64 weights through F.linear, at every row count
+        hidden = torch.relu(nn.functional.linear(inputs[:rows], module[0].weight, module[0].bias))
+        assert torch.equal(
+            module(inputs[:rows]), nn.functional.linear(hidden, module[2].weight, module[2].bias)
+        )
+    assert pretranspose_linears(module) == 0 and pack_linears(module, 3) == 0  # not fp32: no copies
+    module.to(torch.float32)
     assert (
-        transposed_weight(module[0]).dtype == torch.float64
-        and transposed_weight(module[0]).t().is_contiguous()
+        pretranspose_linears(module, min_rows=2) > 0
+        and pack_linears(module, 3) > 0
+        and packed_rows(module) == 3
     )
-    hidden = torch.relu(nn.functional.linear(inputs, module[0].weight, module[0].bias))
-    expected = nn.functional.linear(hidden, module[2].weight, module[2].bias)
-    torch.testing.assert_close(module(inputs), expected)  # 5 rows: the (float64) transposed copies
-    assert torch.equal(module(inputs[:1]), expected[:1])  # 1 row: the weight itself
-    refused = (
-        r"Linear layer '0' holds an MKL-packed weight for 3-row inputs, valid on the CPU in float32 only, "
-        r"but it is now on cpu / float64; .* call decode.prepare\(model, heads, tree\) again"
-    )
-    with pytest.raises(RuntimeError, match=refused):
-        module(inputs[:3])
-    assert pack_linears(module, 3) == 0 and packed_rows(module) is None  # a float64 layer is not packed
-    torch.testing.assert_close(module(inputs[:3]), expected[:3])
 
 
 @needs_mkl
-def test_a_packed_layer_moved_to_another_device_refuses_its_packed_row_count():
+def test_a_packed_layer_moved_to_another_device_runs_there_at_every_row_count():
     torch.manual_seed(0)
-    layer = nn.Linear(8, 6)
+    layer = nn.Linear(8, 6).requires_grad_(False)
     pretranspose_linears(layer, min_rows=2)
     pack_linears(layer, 4)
-    layer.to("meta")  # the transposed copy follows; the packed weight (mkldnn) cannot, and stays behind
-    assert transposed_weight(layer).device.type == "meta" and packed_weight(layer).device.type == "cpu"
-    assert layer(torch.randn(5, 8, device="meta")).shape == (5, 6)  # other row counts run where it is
-    with pytest.raises(RuntimeError, match="Linear layer 'Linear' .* 4-row inputs.* now on meta / float32"):
-        layer(torch.randn(4, 8, device="meta"))
-    pack_linears(layer, 4)  # off the CPU: the packed weight is dropped, not rebuilt
-    assert packed_rows(layer) is None and layer(torch.randn(4, 8, device="meta")).shape == (4, 6)
+    layer.to("meta")  # the copies cannot follow: stale, not read
+    for rows in (1, 4, 5):
+        assert layer(torch.randn(rows, 8, device="meta")).shape == (rows, 6)
+    assert transposed_weight(layer) is None and packed_weight(layer) is None
+
+
+_OPTIMIZERS = {
+    "adamw_fused": lambda params: torch.optim.AdamW(params, lr=0.1, fused=True),
+    "adam_fused": lambda params: torch.optim.Adam(params, lr=0.1, fused=True),
+    "sgd_fused": lambda params: torch.optim.SGD(params, lr=0.5, fused=True),
+    "adamw_foreach": lambda params: torch.optim.AdamW(params, lr=0.1, foreach=True),
+    "sgd_for_loop": lambda params: torch.optim.SGD(params, lr=0.5, momentum=0.9, foreach=False),
+}
+
+
+def _copies(layer: nn.Linear) -> tuple:
+    """The layer's valid oneDNN, transposed and packed copies (None where it has none)."""
+    return onednn_weight(layer), transposed_weight(layer), packed_weight(layer)
+
+
+@pytest.mark.parametrize("kind", ["onednn", "mkl"])
+@pytest.mark.parametrize("optimizer", list(_OPTIMIZERS))
+def test_copies_see_every_optimizer_step_and_only_over_the_weights_it_holds(kind, optimizer):
+    if not (can_onednn() if kind == "onednn" else can_pack()):
+        pytest.skip(f"this torch build has no {kind} kernels")
+    torch.manual_seed(0)
+    trained, frozen = nn.Linear(16, 12), nn.Linear(16, 12).requires_grad_(False)
+    for layer in (trained, frozen):
+        if kind == "onednn":
+            onednn_linears(layer)
+        else:
+            pretranspose_linears(layer, min_rows=2)
+            pack_linears(layer, 5)
+    kept = _copies(frozen)
+    step = _OPTIMIZERS[optimizer](trained.parameters())  # the frozen layer's weight is not held
+    inputs = torch.randn(5, 16)
+    trained(inputs).square().sum().backward()
+    version = trained.weight._version
+    step.step()
+    assert (trained.weight._version == version) == optimizer.endswith("fused")  # fused: no version bump
+    with torch.no_grad():  # 5 rows: the oneDNN, packed or (4 rows) transposed copy, if still held
+        for rows in (4, 5):
+            expected = nn.functional.linear(inputs[:rows], trained.weight, trained.bias)
+            torch.testing.assert_close(trained(inputs[:rows]), expected, rtol=1e-6, atol=1e-6)
+    assert _copies(trained) == (None, None, None)  # stale: dropped
+    assert steps_over(trained.weight) == 1 and steps_over(frozen.weight) == 0
+    assert all(a is b for a, b in zip(_copies(frozen), kept))  # an optimizer that never wrote it: still valid
 
 
 needs_onednn = pytest.mark.skipif(not can_onednn(), reason="this torch build has no oneDNN linear kernels")
@@ -201,7 +236,9 @@ def test_onednn_linear_computes_the_same_product_and_a_row_the_same_bits_alone(b
     keys = list(layer.state_dict())
     assert onednn_linears(layer) == 96 * 200 * 4 and is_onednn(layer)
     record = layer.__dict__[_ONEDNN]  # poison the copy: a pass that reads it returns the bias alone
-    layer.__dict__[_ONEDNN] = (*record[:2], torch.ops.mkldnn._reorder_linear_weight(torch.zeros(200, 96), 64))
+    layer.__dict__[_ONEDNN] = record._replace(
+        tensor=torch.ops.mkldnn._reorder_linear_weight(torch.zeros(200, 96), 64)
+    )
     assert torch.equal(
         layer(inputs[:3]), torch.zeros(3, 200) if layer.bias is None else layer.bias.expand(3, 200)
     )

@@ -1,7 +1,9 @@
 """decode/prepare.py: `prepare` readies a target and its heads on this CPU (int8 draft, oneDNN reordered
 weights; or, with onednn=False, MKL pretransposed and packed weights), keeps greedy output that of plain
-decoding, re-packs only on a new tree, and changes nothing for a model off the CPU or not fp32;
-`quantize_draft` (int8 drafts) and `pack_for_tree` (packing per tree)."""
+decoding, takes its copies again at every call, and changes nothing for a model off the CPU or not fp32; a
+prepared model that is trained (a fused AdamW step), loaded or edited decodes as the unprepared model with
+the same weights, and trains with every gradient; `quantize_draft` (int8 drafts) and `pack_for_tree`
+(packing per tree)."""
 
 import copy
 import importlib
@@ -107,23 +109,34 @@ def test_greedy_output_after_prepare_equals_plain_decoding(tiny_target, tree, ra
 
 
 @x86
-def test_a_second_call_with_another_tree_only_repacks(build_target, monkeypatch):
+def test_a_second_call_takes_every_copy_again_and_packs_for_the_new_tree(build_target, monkeypatch):
     target = copy.deepcopy(build_target("llama"))
     head = prepare(target, _eagle3(target), TREE, onednn=False)
-    layers = {name: (m, transposed_weight(m)) for name, m in _linears(target).items()}
+    layers = {name: (m, transposed_weight(m), packed_weight(m)) for name, m in _linears(target).items()}
     head_layers = dict(head.named_modules())
-    packed = packed_weight(layers["lm_head"][0])
-    added = []
-    real = prepare_module.pretranspose_linears
-    monkeypatch.setattr(prepare_module, "pretranspose_linears", lambda m: added.append(real(m)))
     monkeypatch.setattr(prepare_module, "quantize_draft", lambda *a: pytest.fail("quantized twice"))
     prepare(target, head, "tree16", onednn=False)
-    assert added == [0, 0]  # target and head: no new copies
-    assert {name: (m, transposed_weight(m)) for name, m in _linears(target).items()} == layers
     assert dict(head.named_modules()) == head_layers  # the same int8 layers
+    for name, layer in _linears(target).items():  # new copies of the same weights
+        assert layer is layers[name][0] and transposed_weight(layer) is not layers[name][1]
+        assert torch.equal(transposed_weight(layer), layers[name][1])
+        assert packed_weight(layer) is not layers[name][2]
     # static: unpacked
     assert packed_rows(target) == verify_rows("tree16") == 17 and packed_rows(head) is None
-    assert packed_weight(layers["lm_head"][0]) is not packed
+
+
+def test_without_refresh_a_second_call_keeps_the_copies_that_hold_their_weights(build_target):
+    """`refresh=False` (the benchmark's loop): current copies stay, stale ones are taken again."""
+    target = copy.deepcopy(build_target("llama"))
+    head = prepare(target, _eagle3(target), TREE, onednn=False)
+    layers = {name: transposed_weight(m) for name, m in _linears(target).items()}
+    edited = next(iter(layers))
+    with torch.no_grad():
+        dict(target.named_modules())[edited].weight.mul_(2.0)
+    prepare(target, head, TREE, onednn=False, refresh=False)
+    for name, layer in _linears(target).items():
+        assert (transposed_weight(layer) is layers[name]) == (name != edited)
+        assert torch.equal(transposed_weight(layer), layer.weight)
 
 
 @pytest.mark.parametrize("how", ["bf16", "meta"])
@@ -144,23 +157,17 @@ def _tensors(*modules: nn.Module) -> list[tuple[str, torch.dtype, torch.device]]
 
 
 @x86
-def test_a_prepared_model_cast_to_float64_refuses_its_packed_rows_until_prepared_again(
-    build_target, rank_oracle
-):
+def test_a_prepared_model_cast_to_float64_decodes_as_a_float64_model(build_target, rank_oracle):
     target = copy.deepcopy(build_target("llama"))
     plain = generate(copy.deepcopy(target).to(torch.float64), PROMPT, max_new_tokens=24).sequences
     oracle = rank_oracle(plain[0].tolist(), 128, [1.0])
     prepare(target, oracle, "tree8", onednn=False)
-    target.to(torch.float64)  # the transposed copies follow; the packed weights cannot
-    assert transposed_weight(target.lm_head).dtype == torch.float64
-    refused = r"Linear layer 'model.layers.0.self_attn.q_proj' holds an MKL-packed weight for 9-row inputs"
-    with pytest.raises(RuntimeError, match=refused + r".*now on cpu / float64; .* call decode.prepare"):
-        generate(target, PROMPT, oracle, max_new_tokens=16, tree="tree8")
-    prepare(target, oracle, "tree8", onednn=False)  # float64: nothing new, and the packed weights are dropped
-    assert packed_rows(target) is None and is_pretransposed(target)
-    oracle = rank_oracle(plain[0].tolist(), 128, [1.0])
+    target.to(torch.float64)  # the fp32 copies are stale: never read, freed at the layers' next call
     out = generate(target, PROMPT, oracle, max_new_tokens=16, tree="tree8")
     assert out.sequences.tolist() == plain[:, : PROMPT.shape[1] + 16].tolist() and out.tau > 2
+    assert packed_rows(target) is None and not is_pretransposed(target)
+    prepare(target, oracle, "tree8", onednn=False)  # float64: no copies
+    assert packed_rows(target) is None and not is_pretransposed(target)
 
 
 @needs_mkl
@@ -277,3 +284,111 @@ def test_quantize_draft_refuses_heads_it_cannot_serve(build_target):
         ValueError, match=r"fp32 heads on the CPU; these heads hold \['torch.bfloat16 on cpu'\]"
     ):
         quantize_draft(head)
+
+
+# A prepared model that is trained, loaded or edited: both weight layouts, plain and speculative decoding.
+LAYOUTS = {"onednn": {"onednn": True}, "mkl": {"onednn": False, "pretranspose": True}}
+layouts = pytest.mark.parametrize("layout", list(LAYOUTS))
+
+
+def _trainable(build_target, layout: str) -> nn.Module:
+    """A fresh trainable copy of the tiny 2-layer llama; skips a layout this torch build lacks kernels for."""
+    if not (can_onednn() if layout == "onednn" else can_pack()):
+        pytest.skip(f"this torch build has no {layout} kernels")
+    return copy.deepcopy(build_target("llama", num_hidden_layers=2)).requires_grad_(True)
+
+
+def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """One step on a fixed batch of 2 x 16 random tokens."""
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(2))
+    model(ids, labels=ids).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _assert_decodes_as(model: nn.Module, reference: nn.Module, rank_oracle, layout: str) -> None:
+    """`model` (prepared) gives `reference`'s (unprepared, same weights) logits and greedy tokens, plain and
+    speculative."""
+    expected = generate(reference, PROMPT, max_new_tokens=24).sequences
+    assert generate(model, PROMPT, max_new_tokens=16).sequences.tolist() == expected[:, :23].tolist()
+    with torch.no_grad():
+        torch.testing.assert_close(model(expected).logits, reference(expected).logits, rtol=1e-5, atol=1e-5)
+    oracle = rank_oracle(expected[0].tolist(), 128, [1 / 3] * 3)  # many multi-row verifies
+    prepare(model, oracle, "tree8", **LAYOUTS[layout])  # the packed copies for its 9 rows (MKL)
+    out = generate(model, PROMPT, oracle, max_new_tokens=16, tree="tree8")
+    assert out.sequences.tolist() == expected[:, :23].tolist() and out.tau > 1.5
+
+
+@layouts
+def test_a_prepared_model_follows_a_fused_adamw_step(build_target, rank_oracle, layout):
+    model = _trainable(build_target, layout)
+    reference = copy.deepcopy(model)
+    before = generate(model, PROMPT, max_new_tokens=16).sequences
+    prepare(model, None, **LAYOUTS[layout])
+    for module in (model, reference):  # fused: the weights change, their version counters do not
+        _train_step(module, torch.optim.AdamW(module.parameters(), lr=0.05, fused=True))
+    for (name, param), ref in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(param, ref), name  # the same step: every gradient reached the prepared model
+    assert generate(reference, PROMPT, max_new_tokens=16).sequences.tolist() != before.tolist()  # it shows
+    _assert_decodes_as(model, reference, rank_oracle, layout)
+
+
+@layouts
+def test_a_prepared_model_follows_load_state_dict(build_target, rank_oracle, layout):
+    model = _trainable(build_target, layout).requires_grad_(False)
+    generator = torch.Generator().manual_seed(3)
+    state = {k: v + 0.05 * torch.randn(v.shape, generator=generator) for k, v in model.state_dict().items()}
+    reference = copy.deepcopy(model)
+    reference.load_state_dict(state)
+    prepare(model, None, **LAYOUTS[layout])
+    model.load_state_dict(state)
+    _assert_decodes_as(model, reference, rank_oracle, layout)
+
+
+@layouts
+def test_prepare_again_takes_new_copies_after_writes_through_data(build_target, rank_oracle, layout):
+    model = _trainable(build_target, layout).requires_grad_(False)
+    reference = copy.deepcopy(model)
+    prepare(model, None, **LAYOUTS[layout])
+    for module in (model, reference):
+        generator = torch.Generator().manual_seed(3)
+        for param in module.parameters():
+            param.data.add_(0.05 * torch.randn(param.shape, generator=generator))  # no version bump: unseen
+    prepare(model, None, **LAYOUTS[layout])
+    _assert_decodes_as(model, reference, rank_oracle, layout)
+
+
+def test_a_model_prepared_for_mkl_trains_with_every_gradient(build_target, rank_oracle):
+    model = _trainable(build_target, "mkl")
+    reference = copy.deepcopy(model)
+    prepare(model, rank_oracle([0] * 8, 128, [1.0]), "tree8", onednn=False, pretranspose=True)
+    assert is_pretransposed(model) and packed_rows(model) == 9
+    for module in (model, reference):  # 9 rows (the packed copies' count) and 32 (the transposed copies')
+        for shape in ((1, 9), (2, 16)):
+            ids = torch.randint(0, 128, shape, generator=torch.Generator().manual_seed(2))
+            module(ids, labels=ids).loss.backward()
+    grads = {name: param.grad for name, param in reference.named_parameters()}
+    for name, param in model.named_parameters():
+        assert param.grad is not None and torch.equal(param.grad, grads[name]), name
+
+
+@layouts
+def test_a_frozen_targets_copies_stay_valid_while_an_optimizer_trains_a_head(build_target, layout):
+    target = _trainable(build_target, layout).requires_grad_(False)
+    head = _eagle3(target).train()
+    prepare(target, None, **LAYOUTS[layout])
+    copies = {name: (onednn_weight(m), transposed_weight(m)) for name, m in _linears(target).items()}
+    assert all(any(c is not None for c in pair) for pair in copies.values())
+    optimizer = torch.optim.AdamW(head.parameters(), lr=1e-3, fused=True)
+    ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(2))
+    for _ in range(2):  # the online recipe: no-grad target features, a trained head
+        with torch.no_grad():
+            out = target(ids, output_hidden_states=True)
+        hidden = torch.cat([out.hidden_states[i] for i in (1, 1, 2)], dim=-1)
+        positions = torch.arange(16)[None]
+        embeds = target.get_input_embeddings()(ids)
+        logits = head.logits(head(head.project_features(hidden), embeds, positions), None)
+        logits.square().mean().backward()
+        optimizer.step()
+    for name, layer in _linears(target).items():  # the very same copies
+        assert onednn_weight(layer) is copies[name][0] and transposed_weight(layer) is copies[name][1], name
