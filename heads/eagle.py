@@ -202,6 +202,42 @@ def additive_mask(allowed: Tensor, dtype: torch.dtype) -> Tensor:
     )
 
 
+def check_draft_vocab(
+    d2t: Tensor, vocab_size: int, draft_vocab_size: int, source: str, t2d: Tensor | None = None
+) -> None:
+    """Raise ValueError naming `source` unless d2t maps the Vd draft ids one-to-one into the target vocab."""
+
+    def fail(problem: str):
+        raise ValueError(f"{source}: {problem}")
+
+    if d2t.dtype != torch.int64 or d2t.dim() != 1:
+        fail(f"d2t must be a 1-D int64 tensor, got {d2t.dtype} of shape {tuple(d2t.shape)}")
+    if d2t.numel() != draft_vocab_size:
+        fail(f"d2t has {d2t.numel()} entries, but the config says draft_vocab_size={draft_vocab_size}")
+    target = d2t.cpu() + torch.arange(d2t.numel())
+    outside = ((target < 0) | (target >= vocab_size)).nonzero().flatten()
+    if outside.numel():
+        i = int(outside[0])
+        fail(
+            f"d2t maps draft id {i} to target id {int(target[i])}, outside the target vocab [0, {vocab_size})"
+        )
+    values, order = target.sort(stable=True)
+    later = order[1:][values[1:] == values[:-1]]
+    if later.numel():
+        j = int(later.min())
+        i = int((target == target[j]).nonzero()[0])
+        fail(
+            f"d2t maps draft ids {i} and {j} to target id {int(target[j])} "
+            "(the draft vocabulary must map to distinct target tokens)"
+        )
+    if t2d is None:
+        return
+    if t2d.dtype != torch.bool or tuple(t2d.shape) != (vocab_size,):
+        fail(f"t2d must be bool of shape ({vocab_size},), got {t2d.dtype} of shape {tuple(t2d.shape)}")
+    if not torch.equal(t2d.cpu().nonzero().flatten(), target):
+        fail("d2t and t2d disagree: nonzero(t2d) != d2t + arange(Vd)")
+
+
 class EagleHead(nn.Module):
     """EAGLE-1 or EAGLE-3 draft head; sees only tensors (features, embeddings, the target's lm_head)."""
 
@@ -292,16 +328,13 @@ class EagleHead(nn.Module):
         vocab."""
         if self.head_type != "eagle3":
             raise ValueError("only eagle3 heads have a reduced draft vocabulary")
-        target_ids = torch.as_tensor(target_ids, dtype=torch.long).sort().values
+        target_ids = torch.as_tensor(target_ids, dtype=torch.long).flatten()
         vd = self.config.draft_vocab_size
-        if target_ids.numel() != vd or target_ids.unique().numel() != vd:
-            raise ValueError(
-                f"draft vocab needs {vd} distinct ids, got {target_ids.numel()} "
-                f"({target_ids.unique().numel()} distinct)"
-            )
-        if target_ids.min() < 0 or target_ids.max() >= self.config.vocab_size:
-            raise ValueError(f"draft vocab ids must lie in [0, {self.config.vocab_size})")
-        self.d2t.copy_(target_ids - torch.arange(vd))
+        # validated in the order given, so an error names positions in `target_ids`
+        given = target_ids - torch.arange(target_ids.numel(), device=target_ids.device)
+        check_draft_vocab(given, self.config.vocab_size, vd, "set_draft_vocab(target_ids)")
+        target_ids = target_ids.sort().values
+        self.d2t.copy_(target_ids - torch.arange(vd, device=target_ids.device))
         self.t2d.zero_()
         self.t2d[target_ids] = True
 

@@ -15,9 +15,10 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from heads.eagle import HEAD_TYPES as EAGLE_TYPES
-from heads.eagle import EagleConfig, EagleHead
+from heads.eagle import EagleConfig, EagleHead, check_draft_vocab
 from heads.files import atomic_write, write_json
 from heads.medusa import MedusaConfig, MedusaHeads
+from heads.typed import ConfigError, build_dataclass
 
 FORMAT_VERSION = 1
 CONFIG_NAME = "config.json"
@@ -25,13 +26,24 @@ WEIGHTS_NAME = "model.safetensors"
 Head = MedusaHeads | EagleHead
 
 
-def build_head(head_type: str, head_config: dict) -> Head:
-    """A fresh head from its type and config dict."""
+def build_head(head_type: str, head_config: dict, source: str = "head_config") -> Head:
+    """A fresh head from its type and config dict, whose keys and types are checked first (an unknown or
+    missing key, or `"576"` for an int, fails naming the key and `source`)."""
+    if not isinstance(head_config, dict):
+        raise ConfigError(f"{source}: head_config must be a mapping, got {type(head_config).__name__}")
+    where = lambda key: source
     if head_type == "medusa":
-        return MedusaHeads(MedusaConfig(**head_config))
+        return MedusaHeads(build_dataclass(MedusaConfig, head_config, "head_config.", where))
     if head_type in EAGLE_TYPES:
-        return EagleHead(EagleConfig(**{**head_config, "head_type": head_type}))
-    raise ValueError(f"unknown head_type {head_type!r}; expected one of {('medusa', *EAGLE_TYPES)}")
+        if head_config.get("head_type", head_type) != head_type:
+            raise ConfigError(
+                f"{source}: head_type {head_type!r} but head_config.head_type {head_config['head_type']!r}"
+            )
+        raw = {**head_config, "head_type": head_type}
+        return EagleHead(build_dataclass(EagleConfig, raw, "head_config.", where))
+    raise ConfigError(
+        f"{source}: unknown head_type {head_type!r}; expected one of {('medusa', *EAGLE_TYPES)}"
+    )
 
 
 def _text_config(target) -> object:
@@ -177,9 +189,9 @@ def load_heads(
     """
     path = Path(path)
     config = read_head_config(path)
+    head = build_head(config["head_type"], config["head_config"], str(path / CONFIG_NAME))  # checks types
     if target is not None:
         check_head_matches_target(config, target, where=f"head {path}")
-    head = build_head(config["head_type"], config["head_config"])
     weights = path / WEIGHTS_NAME
     if not weights.is_file():
         raise FileNotFoundError(f"{weights}: missing head weights")
@@ -204,9 +216,12 @@ def _load_state_strict(head: nn.Module, state: dict, source: Path) -> None:
         raise ValueError(
             f"{source}: keys do not match a {head.head_type} head: missing {missing}, unexpected {unexpected}"
         )
-    for key, tensor in state.items():
-        if tensor.shape != expected[key].shape:
+    for key, tensor in state.items():  # d2t's size is checked below, against the config's draft_vocab_size
+        if key != "d2t" and tensor.shape != expected[key].shape:
             raise ValueError(
                 f"{source}: {key} has shape {tuple(tensor.shape)}, expected {tuple(expected[key].shape)}"
             )
+    if head.head_type == "eagle3":  # before load_state_dict casts a float d2t into the int64 buffer
+        c = head.config
+        check_draft_vocab(state["d2t"], c.vocab_size, c.draft_vocab_size, str(source), t2d=state["t2d"])
     head.load_state_dict(state, strict=True)

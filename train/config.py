@@ -6,20 +6,19 @@ missing required keys fail with the dotted key named, before any model is loaded
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import re
-import types
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
+from typing import Any, TypeVar
 
 import torch
 import yaml
 
 from heads.eagle import HEAD_TYPES
 from heads.target import DEFAULT_TARGET
+from heads.typed import ConfigError, build_dataclass
 
 T = TypeVar("T")
 
@@ -32,10 +31,6 @@ DISTILL_LOSSES = ("soft_ce", "forward_kl")  # eagle.distill_loss
 REPORT_TO = ("none", "wandb", "tensorboard")
 HALF_PRECISIONS = {"bf16": "bfloat16", "fp16": "float16"}  # train.mixed_precision -> its model.dtype
 MIXED_PRECISIONS = ("no", *HALF_PRECISIONS)
-
-
-class ConfigError(ValueError):
-    """A config that cannot be loaded: unknown key, wrong type, bad choice or missing required key."""
 
 
 def _one_of(name: str, value: object, allowed: tuple[str, ...]) -> None:
@@ -315,79 +310,7 @@ def load_config(cls: type[T], yaml_path: str | Path | None, overrides: Sequence[
         hits = [k for k in origins if key == k or key.startswith((k + ".", k + "["))]
         return origins[max(hits, key=len)] if hits else source
 
-    return _build(cls, raw, "", where)
-
-
-def _build(cls: type[T], raw: Any, prefix: str, where: Callable[[str], str]) -> T:
-    """One dataclass from its raw mapping, recursing into nested dataclass sections."""
-    section = prefix.rstrip(".") or "the top level"
-    raw = {} if raw is None else raw  # an empty section (`eagle:`) means all defaults
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{section}: expected a mapping (section), got {raw!r} in {where(section)}")
-    hints = get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    unknown = sorted((f"{prefix}{key}" for key in raw if key not in fields), key=str)
-    if unknown:
-        raise ConfigError(
-            f"unknown key {unknown[0]} in {where(unknown[0])}; valid keys of {section}: {', '.join(fields)}"
-        )
-    kwargs, missing = {}, []
-    for name, f in fields.items():
-        tp, dotted = hints[name], prefix + name
-        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        if dataclasses.is_dataclass(tp) and (name in raw or required):
-            kwargs[name] = _build(tp, raw.get(name), dotted + ".", where)
-        elif name in raw:
-            kwargs[name] = _convert(raw[name], tp, dotted, where)
-        elif required:
-            missing.append(dotted)
-    if missing:
-        raise ConfigError(f"missing required key(s) {', '.join(missing)} in {where(section)} (no default)")
-    try:
-        return cls(**kwargs)
-    except ValueError as error:  # __post_init__ messages start with the field name: add section and source
-        name = str(error).split(" ", 1)[0]
-        origin = where(prefix + name if name in fields else section)
-        raise ConfigError(f"{prefix}{error} (in {origin})") from None
-
-
-def _type_name(tp: Any) -> str:
-    return tp.__name__ if isinstance(tp, type) and not get_args(tp) else str(tp).replace("typing.", "")
-
-
-def _convert(value: Any, tp: Any, key: str, where: Callable[[str], str], shown: str = "") -> Any:
-    """`value` checked against `tp` (int widened to float); `shown` names the type in errors (`X | None`)."""
-    origin, args = get_origin(tp), get_args(tp)
-
-    def wrong() -> ConfigError:
-        hint = " (quote strings YAML reads as numbers: key='0123')" if str in (tp, *args) else ""
-        found = f"{value!r} ({type(value).__name__})"
-        return ConfigError(f"{key}: expected {shown or _type_name(tp)}, got {found} in {where(key)}{hint}")
-
-    if origin in (Union, types.UnionType):
-        options = [a for a in args if a is not type(None)]
-        if value is None and len(options) < len(args):
-            return None
-        if len(options) == 1:  # Optional[X]: X's own error, which may name a list index
-            return _convert(value, options[0], key, where, shown or _type_name(tp))
-        for option in options:
-            with contextlib.suppress(ConfigError):
-                return _convert(value, option, key, where)
-        raise wrong()
-    if origin in (list, tuple):
-        if not isinstance(value, (list, tuple)) or (origin is list and isinstance(value, tuple)):
-            raise wrong()
-        if origin is tuple and args[1:] != (Ellipsis,):  # fixed-length tuple[X, Y]: one type per position
-            if len(value) != len(args):
-                raise wrong()
-            return tuple(_convert(v, a, f"{key}[{i}]", where) for i, (v, a) in enumerate(zip(value, args)))
-        items = [_convert(v, args[0], f"{key}[{i}]", where) for i, v in enumerate(value)]
-        return items if origin is list else tuple(items)
-    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)  # `1` for a float field is fine; stored as 1.0
-    if tp in (int, str, bool) and isinstance(value, tp) and not (tp is int and isinstance(value, bool)):
-        return value
-    raise wrong()
+    return build_dataclass(cls, raw, "", where)
 
 
 def to_dict(cfg: Any) -> dict:

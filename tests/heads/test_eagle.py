@@ -99,10 +99,10 @@ def test_fresh_eagle3_draft_vocab_is_identity(llama):
 @pytest.mark.parametrize(
     "ids, message",
     [
-        (torch.arange(VD - 1), "needs 64 distinct ids, got 63"),
-        (torch.cat([torch.arange(VD - 1), torch.tensor([0])]), r"got 64 \(63 distinct\)"),
-        (torch.arange(VD) + V - VD + 1, r"ids must lie in \[0, 128\)"),
-        (torch.arange(VD) - 1, r"ids must lie in \[0, 128\)"),
+        (torch.arange(VD - 1), "d2t has 63 entries, but the config says draft_vocab_size=64"),
+        (torch.cat([torch.arange(VD - 1), torch.tensor([0])]), "draft ids 0 and 63 to target id 0 "),
+        (torch.arange(VD) + V - VD + 1, r"draft id 63 to target id 128, outside the target vocab \[0, 128\)"),
+        (torch.arange(VD) - 1, r"draft id 0 to target id -1, outside the target vocab \[0, 128\)"),
     ],
 )
 def test_bad_draft_vocab_raises(llama, ids, message):

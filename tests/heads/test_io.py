@@ -186,6 +186,46 @@ def test_bad_config_files_are_named(tmp_path, llama):
         load_heads(path)
 
 
+def _edited(config: dict, kind: str, edit: str) -> dict:
+    """`config` with one field of its head_config broken as `edit` says."""
+    head = dict(config["head_config"])
+    if edit == "missing field":
+        del head["vocab_size"]
+    elif edit == "size as a string":
+        head["hidden_size"] = str(head["hidden_size"])
+    elif edit == "unknown field":
+        head["num_hedas"] = 3
+    elif edit == "float count":
+        head["num_heads" if kind == "medusa" else "num_attention_heads"] = 4.0
+    elif edit == "other head type":
+        return {**config, "head_type": "eagle1" if kind != "eagle1" else "eagle3", "head_config": head}
+    return {**config, "head_config": head}
+
+
+CONFIG_EDITS = {  # edit: what the message says besides naming config.json
+    "missing field": r"missing required key\(s\) head_config.vocab_size",
+    "size as a string": r"head_config.hidden_size: expected int, got '32' \(str\)",
+    "unknown field": r"unknown key head_config.num_hedas",
+    "float count": r"head_config.num_(heads|attention_heads): expected int, got 4.0 \(float\)",
+    "other head type": r"head_type 'eagle\d' but head_config.head_type 'eagle\d'|unknown key head_config",
+}
+
+
+@pytest.mark.parametrize("edit", CONFIG_EDITS)
+@pytest.mark.parametrize("kind", HEAD_TYPES)
+def test_a_head_config_of_wrong_keys_or_types_is_refused_naming_the_key(tmp_path, llama, kind, edit):
+    """Checked field by field against the head's config class before anything is built or compared with the
+    target: a clear error naming config.json and the key, not a TypeError from a constructor or a size
+    mismatch against '576'."""
+    _, path = _export(tmp_path, kind, llama)
+    config_file = path / CONFIG_NAME
+    config_file.write_text(json.dumps(_edited(json.loads(config_file.read_text()), kind, edit)))
+    for target in (None, llama):
+        with pytest.raises(ValueError, match=CONFIG_EDITS[edit]) as raised:
+            load_heads(path, target)
+        assert str(config_file) in str(raised.value)
+
+
 @pytest.mark.parametrize("kind", HEAD_TYPES)
 def test_head_follows_the_target_dtype_and_device_unless_told(tmp_path, llama, kind):
     _, path = _export(tmp_path, kind, llama)
