@@ -258,3 +258,112 @@ def test_negative_control_a_bound_on_a_nodes_own_draw_is_detected(target, monkey
     monkeypatch.setattr(propose_module, "draw_children", _scored_by_own_draw(propose_module.draw_children))
     pvalue = fit_pvalue(target, make_heads(target, "eagle1"), BOUNDED, seed_base=1000)
     assert pvalue < 1e-3, "the test failed to detect a bound that reads each node's own draw"
+
+
+# The joint distribution of the first JOINT tokens, against the exact one: a rule can match every token's
+# marginal given its previous token and still get their joint wrong (how a step's accepted drafts and its
+# bonus token depend on each other), or starve acceptance so that only a tau guard notices.
+JOINT, JOINT_ROWS = 3, 50
+
+
+def _exact_joint(model, sampling) -> np.ndarray:
+    """P(first JOINT tokens = s) for every s in [0, VOCAB)^JOINT (row-major codes), from one target pass."""
+    grid = torch.cartesian_prod(*[torch.arange(VOCAB)] * JOINT)  # (VOCAB^JOINT, JOINT)
+    ids = torch.cat([PROMPT.expand(grid.shape[0], -1), grid], dim=1)
+    with torch.no_grad():
+        probs = target_probs(model(ids).logits[:, PROMPT.shape[1] - 1 : -1], **sampling).double()
+    return probs.gather(2, grid[..., None])[..., 0].prod(1).numpy()
+
+
+def joint_pvalue(model, heads, tree, samples, batched=False, sampling=None, **kwargs) -> float:
+    """Chi-square of `samples` decoded prefixes of JOINT tokens against their exact joint distribution (cells
+    expecting fewer than 5 pooled); batched: JOINT_ROWS copies of the prompt decoded together per call."""
+    sampling = sampling or {"temperature": 1.0}
+    replies = []
+    for call in range(samples // JOINT_ROWS if batched else samples):
+        ids = PROMPT.expand(JOINT_ROWS, -1) if batched else PROMPT
+        out = generate(model, ids, heads, max_new_tokens=JOINT, tree=tree, seed=call, **sampling, **kwargs)
+        replies += out.replies if batched else [out.sequences[0, PROMPT.shape[1] :].tolist()]
+    codes = np.array([sum(t * VOCAB ** (JOINT - 1 - i) for i, t in enumerate(r)) for r in replies])
+    observed = np.bincount(codes, minlength=VOCAB**JOINT).astype(float)
+    expected = _exact_joint(model, sampling) * len(replies)
+    expected *= observed.sum() / expected.sum()  # float rounding: chisquare wants equal totals
+    big = expected >= 5
+    obs, exp = np.append(observed[big], observed[~big].sum()), np.append(expected[big], expected[~big].sum())
+    return chisquare(obs, exp).pvalue
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["alone", "batched"])
+@pytest.mark.parametrize(
+    "kind,tree", [("eagle1", BOUNDED), ("medusa", CASES[0][1])], ids=["bounded", "medusa"]
+)
+def test_joint_distribution_of_the_first_tokens_is_the_targets(target, kind, tree, batched):
+    pvalue = joint_pvalue(target, make_heads(target, kind), tree, samples=2000, batched=batched)
+    assert pvalue > 1e-3, f"the first {JOINT} tokens' joint distribution deviates (chi-square p={pvalue:.2e})"
+
+
+def _pruned_renormalised(draw):
+    """BIASED on purpose: acceptance reads the draft distribution with the tokens below the `min_prob` bound
+    removed and renormalised, not the distribution the children were drawn from."""
+
+    def pruned(logits, k, temperature, generator):
+        drawn = draw(logits, k, temperature, generator)
+        if drawn.q is None:
+            return drawn
+        kept = drawn.q * (drawn.q >= BOUNDED.min_prob)
+        mass = kept.sum(-1, keepdim=True)
+        return type(drawn)(drawn.draft_ids, drawn.slot_logq, torch.where(mass > 0, kept / mass, drawn.q))
+
+    return pruned
+
+
+def _mutate_draws(monkeypatch, mutation) -> None:
+    """Apply `mutation` to the children draws of both growth engines (one sequence and a batch)."""
+    for name in ("decode.propose", "decode.batch_draft"):
+        module = importlib.import_module(name)
+        monkeypatch.setattr(module, "draw_children", mutation(module.draw_children))
+
+
+def _mutate_rule(monkeypatch, rule) -> None:
+    for name in ("decode.generate", "decode.batch"):
+        monkeypatch.setattr(importlib.import_module(name), "accept_sampling", rule)
+
+
+# name: (apply the mutation, heads, tree, samples). 2,000 samples: with fewer, the cells a biased rule
+# over-fills expect under 5 draws and are pooled, and the own-draw bound went unseen at 500 (p = 0.2)
+JOINT_CONTROLS = {
+    "pruned-renormalised q": (
+        lambda mp: _mutate_draws(mp, _pruned_renormalised),
+        lambda m: make_heads(m, "eagle1"),
+        BOUNDED,
+        2000,
+    ),
+    "bound on a node's own draw": (
+        lambda mp: _mutate_draws(mp, _scored_by_own_draw),
+        lambda m: make_heads(m, "eagle1"),
+        BOUNDED,
+        2000,
+    ),
+    "unit draft probability": (
+        lambda mp: _mutate_rule(mp, _accept_with_unit_draft_probability),
+        lambda m: make_heads(m, "medusa", std=0.1),
+        CASES[0][1],
+        2000,
+    ),
+}
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["alone", "batched"])
+@pytest.mark.parametrize("control", JOINT_CONTROLS)
+def test_negative_controls_fail_the_joint_test(target, monkeypatch, control, batched):
+    mutate, heads, tree, samples = JOINT_CONTROLS[control]
+    mutate(monkeypatch)
+    pvalue = joint_pvalue(target, heads(target), tree, samples=samples, batched=batched)
+    assert pvalue < 1e-3, f"the joint test failed to detect the {control} rule (p={pvalue:.2e})"
+
+
+def test_typical_acceptance_fails_the_joint_test(target):
+    pvalue = joint_pvalue(
+        target, make_heads(target, "medusa"), CASES[0][1], samples=2000, acceptance="typical"
+    )
+    assert pvalue < 1e-3, "typical acceptance should be detected as lossy"

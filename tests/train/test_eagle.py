@@ -8,7 +8,6 @@ import json
 import re
 import runpy
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -127,10 +126,8 @@ def test_unknown_override_fails_before_any_model_loads(tmp_path, overrides, monk
     monkeypatch.setattr(
         sys, "argv", ["train/eagle.py", str(TINY_YAML), *overrides(out), "train.lerning_rate=1e-3"]
     )
-    started = time.perf_counter()
     with pytest.raises(ConfigError, match=r"unknown key train\.lerning_rate in override 'train\.lerning_"):
         runpy.run_path(str(ROOT / "train" / "eagle.py"), run_name="__main__")  # its `if __name__` block
-    assert time.perf_counter() - started < 5
     assert not out.exists()
 
 
