@@ -1,4 +1,4 @@
-"""Batched verification (issue 18, first step): B sequences share one target KV cache and one forward per
+"""Batched decoding: B sequences share one target KV cache and one forward per
 step, each with its own tree, its own committed length and its own accepted path.
 
 The cache stays rectangular, (B, heads, L, head_dim) per layer. Column validity is per row (`valid`, (B, L)):

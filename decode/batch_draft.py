@@ -1,5 +1,5 @@
-"""Drafting for B rows at once (issue 18): one head forward per draft level for the whole batch instead of one
-per row, the trees grown as (B, ...) tensors.
+"""Drafting for B rows at once (batched decoding): one head forward per draft level for the whole batch
+instead of one per row, the trees grown as (B, ...) tensors.
 
 `BatchEagleDrafter` keeps one rectangular draft KV cache for the batch, (B, kv_heads, L, head_dim), with a
 column validity per row as `decode.batch.BatchState` does for the target: rows take in different numbers of

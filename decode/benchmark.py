@@ -1,7 +1,7 @@
 """End-to-end decoding benchmark (`scripts/bench.py`): every head type against plain decoding and
 transformers' prompt-lookup decoding on held-out prompts, pooled per (method, temperature, category), rendered
-as markdown and plots. Metrics as in REFERENCE section 4: tau includes the bonus token; speedup is over plain
-decoding.
+as markdown and plots. Metrics as in docs/design.md, Metrics: tau includes the bonus token; speedup is over
+plain decoding.
 """
 
 from __future__ import annotations

@@ -10,9 +10,8 @@ oneDNN copies included) and fbgemm's int8 (the stacked int8 weight keeps each ro
 int8 matrix). Same inputs, same cache update, same output as the module path up to float rounding: it only
 changes how the draft is computed, never what the target verifies, so decoding stays lossless either way.
 
-Measured on this project's 2-core CPU (EAGLE-3 head of the default target, int8, both threads, 3 chat prompts
-of 64 tokens, module and fused runs interleaved in one process; median drafting ms per decoding step):
-dynamic tree (5, 4, 12) 15.4 -> 12.9, (8, 8, 32) 25.0 -> 22.6. The same trees, proposals and tau either way.
+Fewer, larger calls make each drafting step cheaper, for shallow and deep dynamic trees alike, with the same
+trees, proposals and tau either way (measured: docs/cpu.md, The fused EAGLE draft step).
 """
 
 from __future__ import annotations

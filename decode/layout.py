@@ -2,11 +2,8 @@
 
 On x86 CPUs, `F.linear(x, W)` with the usual (out, in) row-major weight is slow for a handful of rows: a tree
 verify of 4-16 tokens multiplies 4-16 rows. The same product against the weight stored (in, out) row-major is
-2-4x faster there, and no faster (sometimes slower) for the single row of plain decoding. Measured on this
-project's 2-core CPU (fp32, MKL, microseconds per call, standard / transposed storage):
-
-    (1536, 576) MLP up:  1 row 135 / 93,  8 rows 279 / 144,  16 rows 850 / 188
-    (49152, 576) lm_head: 1 row 6065 / 4612, 8 rows 19928 / 10931, 16 rows 32037 / 13790
+much faster there, and no faster (sometimes slower) for the single row of plain decoding (measured:
+docs/cpu.md, Pretransposed weights).
 
 `pretranspose_linears` keeps both layouts: one-row inputs use the original weight (plain decoding runs exactly
 as before), inputs of `min_rows` rows or more use the transposed copy. The patched layers compute the same
@@ -16,44 +13,35 @@ and only while it holds the weight (see "When a copy is read" below).
 
 `int8_linears(module)` swaps Linear layers for int8 weights (per output channel) with int8 dynamic
 activations, fbgemm's x86 kernels; `decode.prepare.quantize_draft` applies it to the draft only. Draft passes
-read every weight of the head for a handful of rows, so they are bound by memory traffic; int8 cuts it 4x.
-Measured on this project's 2-core CPU (microseconds per call, fp32 pretransposed / int8): (8192, 576) EAGLE-3
-draft lm_head, 4 rows 1041 / 213; (1536, 576) 4 rows 129 / 66.
+read every weight of the head for a handful of rows, so they are bound by memory traffic, and int8 moves a
+quarter of the bytes (measured: docs/cpu.md, int8 drafts).
 Verification still runs the unchanged target, so decoding stays lossless: greedy output is the target's, and
 sampling accepts against the draft distribution the int8 head actually proposed from. Only acceptance can
 move.
 
 `pack_linears(module, rows)` goes one step further for the ONE row count a tree verify always passes (a static
 tree's node count, a dynamic tree's total_tokens + 1): it stores MKL's packed form of each weight for exactly
-that many rows (`cblas_sgemm_pack`, what torch's inductor uses for frozen CPU linears). Whole target, one
-process, interleaved A/B (ms per verify forward above 200 cached tokens, transposed / packed): 9 rows 92 / 78,
-13 rows 95 / 78; 5 rows 77 / 78 (no gain). The packed buffers are about 4x the weights (2.6 GiB for the
-default target), so a module holds one packed row count at a time; packing it takes about 0.2 s.
+that many rows (`cblas_sgemm_pack`, what torch's inductor uses for frozen CPU linears). It cut the target's
+verify forward further at 9 and 13 rows and gained nothing at 5 (measured: docs/cpu.md, MKL-packed weights).
+The packed buffers are about 4x the weights, so a module holds one packed row count at a time.
 
 Why not torch's own inductor path: with `torch._inductor.config.freezing = True`, `torch.compile` (torch 2.13)
 packs each frozen fp32 Linear with the same `_mkl_reorder_linear_weight` / `_mkl_linear` pair, but only for a
 static row count (a dynamic one falls back to oneDNN's `_linear_pointwise`), and `options={"freezing": True}`
-does not freeze. Measured on the default target (one thread, 200 cached tokens, interleaved, ms per verify
-forward, eager / ours / frozen compile): 9 rows 123 / 91 / 110, 13 rows 160 / 98 / 148, outputs matching
-(argmax identical). It also compiles for 35-66 s per graph, and needs a new graph per row count, per cache
-length until that dimension turns dynamic, and per cropped (non-contiguous) cache as `compact_cache` leaves
-it. Compiling only paid for one-row plain decoding (51 vs 63 ms), which is not what this module speeds up.
+does not freeze. Its verify forwards were slower than this module's, with the same argmax; it compiles for
+tens of seconds per graph, and needs a new graph per row count, per cache length until that dimension turns
+dynamic, and per cropped (non-contiguous) cache as `compact_cache` leaves it. Compiling only paid for one-row
+plain decoding, which is not what this module speeds up (measured: docs/cpu.md, Why not torch.compile).
 
 `onednn_linears(module)` supersedes both on CPUs where oneDNN has fast fp32 kernels and MKL does not: it
 keeps oneDNN's reordered (blocked) copy of each fp32 weight (`torch.ops.mkldnn._reorder_linear_weight`, the
 same bytes as the weight) and multiplies EVERY row count through `torch.ops.mkldnn._linear_pointwise`, plain
-decoding's single row included. On this project's machine (AMD EPYC, AVX-512 with BF16, 2 cores) MKL's sgemm
-takes its slow path for a handful of rows; oneDNN does not. Measured in one process (microseconds per call,
-MKL standard / oneDNN reordered):
-
-    (1536, 576) MLP up:  1 row 55 / 39,  2 rows 107 / 38,  13 rows 230 / 71
-    (49152, 576) lm_head: 1 row 7207 / 3193, 2 rows 15391 / 2388, 13 rows 11274 / 3178
-
-and over the whole default target (ms per forward above 200 cached tokens, MKL with the transposed and packed
-copies / oneDNN): 1 token 49.1 / 31.6, 4 tokens 66.3 / 32.6, 13 tokens 73.4 / 40.5, 24 tokens 92.1 / 48.6.
-A row's result does not depend on the other rows of its call (measured: a row alone and inside 13 rows give
-bitwise the same lm_head output), so verification scores a tree node exactly as plain decoding scores the
-same prefix, where the MKL layouts differ in the last bits.
+decoding's single row included. On some CPUs (the AMD EPYC this project was measured on among them) MKL's
+sgemm takes a slow path for a handful of rows, where two rows cost about twice one; oneDNN does not, so every
+forward of the target gets cheaper, plain decoding's too (measured: docs/cpu.md, oneDNN reordered weights).
+A row's result does not depend on the other rows of its call (a row alone and inside 13 rows give bitwise
+the same lm_head output), so verification scores a tree node exactly as plain decoding scores the same
+prefix, where the MKL layouts differ in the last bits.
 
 When a copy is read. The three copies (oneDNN's reordered weight, the transposed copy, the packed weight) are
 taken from fp32 CPU weights and held beside the module's tensors: `state_dict()` does not save them and
@@ -210,9 +198,9 @@ def onednn_linears(module: nn.Module, *, rows_hint: int = 64, force: bool = Fals
 
     Args:
         module: a frozen target or a draft head.
-        rows_hint: the row count oneDNN picks its blocking for; any count runs. 64 measured best on the
-            default target's lm_head from 1 to 17 rows (1 row 2.5 ms, 13 rows 3.0 ms, against 2.8 / 3.8 for
-            a hint of 13 and 3.9 / 5.1 for a hint of 1).
+        rows_hint: the row count oneDNN picks its blocking for; any count runs. 64 was fastest on the
+            default target's lm_head for every count from 1 to 17 rows (measured: docs/cpu.md, oneDNN
+            reordered weights).
         force: take every copy again, also those that look current (after writing weights through `.data`).
     Returns:
         Bytes the copies hold (0 when nothing was patched or this build has no such kernels).

@@ -1,5 +1,5 @@
 """Plain decoding (`decode.generate`, heads=None) against transformers' `generate`, and the target's verify
-cost C_T(n) for n tree tokens (`scripts/bench_decode.py`; REFERENCE sections 1, 4 and 6).
+cost C_T(n) for n tree tokens (`scripts/bench_decode.py`; docs/design.md, Metrics and When speculation pays).
 """
 
 from __future__ import annotations

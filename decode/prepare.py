@@ -36,7 +36,7 @@ def prepare(
     onednn: bool | None = None,
     refresh: bool = True,
 ) -> nn.Module | None:
-    """Apply what the measurements in `decode/layout.py` support for decoding `model` with `heads` and `tree`;
+    """Apply what the measurements in docs/cpu.md support for decoding `model` with `heads` and `tree`;
     returns the heads to pass to `generate` (the same object, changed in place).
 
     On a CPU with an fp32 target: oneDNN's reordered fp32 weights for every pass of the target, plain
@@ -102,12 +102,11 @@ def quantize_draft(heads: nn.Module, target: nn.Module | None = None) -> nn.Modu
 
     Every `nn.Linear` of the heads becomes a dynamic int8 Linear (pretransposed or packed copies are dropped
     with the old layers), except an EAGLE head's `fc`: it reads the target's raw hidden states, whose outlier
-    channels one int8 activation scale per tensor cannot hold (measured on the default target's EAGLE-3 head,
-    3 chat prompts: tau 3.18 with fc kept in fp32, as with the fp32 head; 2.56 with fc in int8). `fc` runs
-    once per step, on the accepted tokens only. Heads that project with the target's lm_head (Medusa
-    `share_lm_head`, EAGLE-1) get an int8 copy of it that only their drafts use
-    (`decode.propose.draft_lm_head`); the target itself is not touched. Inference only: do not train or save
-    quantized heads (their Linear weights are no longer parameters).
+    channels one int8 activation scale per tensor cannot hold (with `fc` in int8, the default target's EAGLE-3
+    head lost much of its tau; measured: docs/cpu.md, int8 drafts). `fc` runs once per step, on the accepted
+    tokens only. Heads that project with the target's lm_head (Medusa `share_lm_head`, EAGLE-1) get an int8
+    copy of it that only their drafts use (`decode.propose.draft_lm_head`); the target itself is not touched.
+    Inference only: do not train or save quantized heads (their Linear weights are no longer parameters).
 
     Args:
         heads: MedusaHeads or an EagleHead, fp32, on the CPU.

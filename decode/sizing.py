@@ -1,5 +1,5 @@
-"""Tree sizing from a cost model (REFERENCE section 1): pick the tree that maximises expected tokens per
-second,
+"""Tree sizing from a cost model (docs/design.md, When speculation pays): pick the tree that maximises
+expected tokens per second,
 
     tokens/s = E[tokens per step] / (C_T(n + 1) + C_P(tree)),
 

@@ -43,9 +43,10 @@ class DynamicTree:
     drafting stops at the first level with no node at or above it. Confident steps get the full tree,
     uncertain ones a few nodes or none (a plain step), so a deep tree costs little where it would not be
     accepted. Lossless like the rest: the bound reads slot scores only, never a node's own sampled value.
-    Measured with the shipped EAGLE-3 head on this project's 2-core CPU (docs/cpu.md): greedy, (8, 4, 24) at
-    0.05 beat (5, 4, 12) on chat, instruction and code; at temperature 1 in two runs of three (the draft's
-    probabilities understate what the lossless rule accepts, so the bound prunes nodes that would pass)."""
+    With the shipped EAGLE-3 head, greedy, (8, 4, 24) at 0.05 beat (5, 4, 12) on chat, instruction and code;
+    at temperature 1 in two runs of three (the draft's probabilities understate what the lossless rule
+    accepts, so the bound prunes nodes that would pass) (measured: docs/cpu.md, A confidence bound on dynamic
+    trees)."""
 
     depth: int = 5
     top_k: int = 4
@@ -140,7 +141,7 @@ def chain(depth: int) -> list[tuple[int, ...]]:
     return [(0,) * d for d in range(1, depth + 1)]
 
 
-# Static trees sized for a CPU, where verify cost grows with the tree (REFERENCE section 6).
+# Static trees sized for a CPU, where verify cost grows with the tree (docs/design.md, When speculation pays).
 DEFAULT_TREES: dict[str, list[tuple[int, ...]]] = {
     "chain4": chain(4),
     "tree8": [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 0, 0), (0, 0, 1)],
@@ -164,8 +165,8 @@ DEFAULT_TREES: dict[str, list[tuple[int, ...]]] = {
     ],
 }
 DEFAULT_MEDUSA_TREE = "tree8"
-# Default trees by the target's device. On a CPU the verify cost grows with the tree (REFERENCE section 6), so
-# the defaults there are small and measured on this project's 2-core CPU; on a GPU a verify pass costs about
+# Default trees by the target's device. On a CPU the verify cost grows with the tree, so the defaults there
+# are small, chosen by measurement (docs/cpu.md, Default trees on a CPU); on a GPU a verify pass costs about
 # the same for a few dozen tokens, and the defaults are the sizes the papers decode with.
 DEFAULT_EAGLE_TREE = DynamicTree(depth=5, top_k=4, total_tokens=12)  # sized for a 2-core CPU
 GPU_EAGLE_TREE = DynamicTree(depth=6, top_k=10, total_tokens=60)  # EAGLE-2's GPU setting

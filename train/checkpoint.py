@@ -1,6 +1,6 @@
-"""Resume states and exports (STYLE section 5): resume = `accelerator.save_state`, never shipped; export =
-`heads.save_heads` (config.json + model.safetensors). Resume states are written atomically: a killed run
-leaves either the previous complete state or the new complete one, never a half-written one as "latest"; a
+"""Resume states and exports (docs/design.md, Checkpoints): resume = `accelerator.save_state`, never shipped;
+export = `heads.save_heads` (config.json + model.safetensors). Resume states are written atomically: a killed
+run leaves either the previous complete state or the new complete one, never a half-written one as "latest"; a
 run resumes only with the data order its state was written with."""
 
 from __future__ import annotations

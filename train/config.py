@@ -1,7 +1,7 @@
 """Run configs of the recipes: dataclasses <- a YAML file of sections <- `section.key=value` overrides.
 
 `load_config(RunConfig, yaml_path, overrides)` is the one loader. Unknown keys, wrong types, bad choices and
-missing required keys fail with the dotted key named, before any model is loaded (STYLE section 3).
+missing required keys fail with the dotted key named, before any model is loaded (docs/design.md, Configs).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class ModelConfig:
     revision: str | None = None  # hub commit or tag, recorded in exports; None = default branch
     dtype: str = "float32"  # frozen target's weights; float32 on CPU (bf16 matmuls are slow there), bf16
     # on GPU. Trainable weights (heads, LoRA) and Adam states are always float32
-    attn_implementation: str = "eager"  # eager: multi-token CPU passes ~15% cheaper than sdpa (REFERENCE 6)
+    attn_implementation: str = "eager"  # eager: multi-token CPU passes ~15% cheaper than sdpa (docs/cpu.md)
 
     def __post_init__(self) -> None:
         _one_of("dtype", self.dtype, DTYPES)

@@ -29,9 +29,10 @@ FSDP_ON_CPU_ENV = "SELFSPEC_TEST_FSDP_ON_CPU"
 def make_accelerator(train: TrainConfig) -> Accelerator:
     """Accelerator for this machine: CPU processes join over gloo; DeepSpeed keeps its engine on CPU too.
 
-    `cpu=True` is what makes 2 CUDA-less processes form one DDP group, but it silently drops DeepSpeed,
-    which instead needs the gloo process-group backend (REFERENCE section 6). Mixed precision is autocast
-    over fp32 trainable weights (accelerate's `mixed_precision`); fp16 needs CUDA for its grad scaler.
+    `cpu=True` is what makes 2 CUDA-less processes form one DDP group, but it silently drops DeepSpeed, which
+    instead needs the gloo process-group backend (docs/design.md, accelerate on a machine without CUDA). Mixed
+    precision is autocast over fp32 trainable weights (accelerate's `mixed_precision`); fp16 needs CUDA for
+    its grad scaler.
 
     Raises:
         ValueError: `train.mixed_precision=fp16` without CUDA (accelerate would silently train in fp32).

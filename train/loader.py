@@ -24,8 +24,9 @@ def load_frozen_target(model: ModelConfig, accelerator: Accelerator, whole: bool
     Medusa-2's LoRA-adapted target instead joins the trained module and may be sharded).
 
     A whole fp32 target on a CPU gets oneDNN's reordered weights (`decode.layout.onednn_linears`): its
-    no-grad forwards (online features, the offline dump, simulated tau) run 2-2.5x faster per Linear on this
-    project's CPU, at every row count (2,048 rows of (1536, 576): 22.8 ms with MKL, 8.9 with oneDNN). Passes
+    no-grad forwards (online features, the offline dump, simulated tau) get cheaper on CPUs where MKL's fp32
+    sgemm is slow, at every row count, training's long batches included (measured: docs/cpu.md, oneDNN
+    weights in training). Passes
     that autograd records (a shared lm_head under a trained head) run `F.linear` as before, and so do passes
     under bf16 autocast (online features of a `mixed_precision: bf16` run use autocast's bf16 kernels; the
     copies, as much memory again as the target's Linear weights, then serve simulated tau only)."""

@@ -1,5 +1,5 @@
-"""Self-distillation: answer training prompts with the target itself (REFERENCE section 2: the biggest lever
-on acceptance), batched, as resumable JSONL shards. Used by `scripts/regenerate.py`."""
+"""Self-distillation: answer training prompts with the target itself (docs/design.md, Self-distillation: the
+biggest lever on acceptance), batched, as resumable JSONL shards. Used by `scripts/regenerate.py`."""
 
 from __future__ import annotations
 

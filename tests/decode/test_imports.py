@@ -1,4 +1,4 @@
-"""Imports flow one way (STYLE section 1): no import cycle between the modules of heads/, train/ and decode/,
+"""Imports flow one way (docs/layout.md): no import cycle between the modules of heads/, train/ and decode/,
 counting imports inside functions (lazy imports) and under `if TYPE_CHECKING:` as well as the module-level
 ones, and decode/layout.py is a leaf. The graph is read from the source with `ast`, so nothing is imported.
 """
@@ -85,8 +85,8 @@ def test_decode_layout_is_a_leaf_and_the_tree_is_at_the_bottom():
 
 
 def test_a_lazy_import_inside_a_function_closes_a_cycle():
-    """decode/'s cycle before issue 15: generate -> propose -> fused -> layout -> generate, the last edge an
-    import inside `layout.pack_for_tree`. Module-level imports alone would miss it."""
+    """decode/'s former cycle, since removed: generate -> propose -> fused -> layout -> generate, the last
+    edge an import inside `layout.pack_for_tree`. Module-level imports alone would miss it."""
     sources = {
         "decode.generate": "from decode.propose import make_drafter\n",
         "decode.propose": "from decode.fused import fused_step\n",

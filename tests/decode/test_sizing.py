@@ -53,8 +53,8 @@ def test_best_tree_takes_most_probable_nodes():
 
 @pytest.mark.parametrize("alpha, k", [(0.5, 1), (0.7, 4), (0.9, 6)])
 def test_chain_matches_closed_form(alpha, k):
-    """REFERENCE section 1: a chain of k drafts with iid acceptance alpha yields (1 - alpha^(k+1)) / (1 -
-    alpha)."""
+    """docs/design.md, When speculation pays: a chain of k drafts with iid acceptance alpha yields
+    (1 - alpha^(k+1)) / (1 - alpha)."""
     expected, paths = best_tree([[alpha]] * k, budget=k)
     assert paths == [(0,) * d for d in range(1, k + 1)]
     assert expected == pytest.approx((1 - alpha ** (k + 1)) / (1 - alpha))

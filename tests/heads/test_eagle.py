@@ -9,7 +9,7 @@ from decode.propose import EagleDrafter
 from heads.eagle import EagleConfig, EagleHead
 
 H, V, VD = 32, 128, 64
-EAGLE3_KEYS = {  # REFERENCE section 3, SGLang / official form
+EAGLE3_KEYS = {  # docs/design.md, Export formats: SGLang / official form
     "fc.weight",
     "midlayer.self_attn.q_proj.weight",
     "midlayer.self_attn.k_proj.weight",

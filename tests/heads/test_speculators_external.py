@@ -1,9 +1,9 @@
 """The vLLM `speculators` package itself loads our `speculators` export on CPU and drafts exactly as our head
 does.
 
-speculators 0.9.0 pulls a CUDA torch and pins transformers<=5.19, so it lives in its own venv (REFERENCE
-section 3), built once under ~/.cache/selfspec/venvs/speculators (~2 min here) and reused; the check itself
-runs there as a subprocess (tests/heads/speculators_check.py) on inputs this test writes.
+speculators 0.9.0 pulls a CUDA torch and pins transformers<=5.19, so it lives in its own venv
+(train/venv.py), built once under ~/.cache/selfspec/venvs/speculators (~2 min here) and reused; the check
+itself runs there as a subprocess (tests/heads/speculators_check.py) on inputs this test writes.
 """
 
 import os

@@ -257,7 +257,7 @@ def test_save_config_round_trip(path, tmp_path):
         assert to_dict(again) == to_dict(cfg) == yaml.safe_load(yaml.safe_dump(to_dict(cfg)))
 
 
-def test_defaults_follow_the_reference():
+def test_defaults_follow_the_papers():
     eagle = load_config(EagleRunConfig, None, REQUIRED)
     assert (eagle.train.adam_beta1, eagle.train.adam_beta2, eagle.train.max_grad_norm) == (0.9, 0.95, 0.5)
     assert eagle.eagle == EagleTrainConfig() and eagle.eagle.aux_layer_ids is None
@@ -275,7 +275,7 @@ def test_defaults_follow_the_reference():
 
 
 def test_every_field_has_a_comment():
-    """STYLE section 3: each field carries a trailing comment (units and reason)."""
+    """docs/design.md, Configs: each field carries a trailing comment (units and reason)."""
     source = inspect.getsource(config_module)
     for cls in [c for c in vars(config_module).values() if dataclasses.is_dataclass(c)]:
         for f in dataclasses.fields(cls):
