@@ -9,7 +9,8 @@ vLLM), is this one plus 1; see `to_input_convention`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Self
 
 import torch
@@ -88,6 +89,16 @@ class FeatureCapture:
             handle.remove()
         self._handles.clear()
         self._store.clear()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Inside an active capture: its hooks are off for the block (which may run a capture of its own) and
+        back on after it, even when the block raises."""
+        self.__exit__(None, None, None)
+        try:
+            yield
+        finally:
+            self.__enter__()
 
     def features(self) -> Tensor:
         """(B, T, K*H) captured states of the last forward, in `layer_ids` order."""

@@ -211,7 +211,7 @@ def main(cfg: EagleRunConfig) -> None:
         draft_logits or target.get_output_embeddings(),
         softcap=None if draft_logits is not None else softcap,
     )
-    capture = FeatureCapture(target, head.feature_layers).__enter__()
+    capture = FeatureCapture(target, head.feature_layers)  # its hooks are on inside `with capture:` below
 
     def online_loss(batch: dict) -> tuple[Tensor, dict[str, Tensor]]:
         with accelerator.autocast():  # the target computes in the run's precision too
@@ -228,18 +228,16 @@ def main(cfg: EagleRunConfig) -> None:
         whole = gather_head(accelerator, run.module)  # collective; None off the main process
         if whole is None:
             return None
-        capture.__exit__(None, None, None)  # generate installs its own capture
-        tau = simulated_tau(
-            target,
-            whole,
-            eval_set,
-            cfg.train.eval_tau_prompts,
-            cfg.train.eval_tau_new_tokens,
-            cfg.train.eval_tau_batch_size,
-            pad_id,
-        )
-        capture.__enter__()
-        return tau
+        with capture.paused():  # generate installs its own capture
+            return simulated_tau(
+                target,
+                whole,
+                eval_set,
+                cfg.train.eval_tau_prompts,
+                cfg.train.eval_tau_new_tokens,
+                cfg.train.eval_tau_batch_size,
+                pad_id,
+            )
 
     def export(step: int, name: str = EXPORT_DIR, eval_tau: float | None = None) -> Path:
         extra = {"train_step": step, "training": to_dict(cfg)}
@@ -256,18 +254,18 @@ def main(cfg: EagleRunConfig) -> None:
         )
 
     # 5. loop: every N steps evaluate (every rank) and write a resume state and an export; the final export
-    train_loop(
-        run,
-        rows,
-        eval_set,
-        pad_id,
-        loss=loss,
-        eval_loss=lambda batch: online_loss(batch)[0],  # the held-out rows are tokens: run the target
-        eval_tau=eval_tau,
-        export=export,
-        collate_fn=collate_fn,
-    )
-    capture.__exit__(None, None, None)
+    with capture:
+        train_loop(
+            run,
+            rows,
+            eval_set,
+            pad_id,
+            loss=loss,
+            eval_loss=lambda batch: online_loss(batch)[0],  # the held-out rows are tokens: run the target
+            eval_tau=eval_tau,
+            export=export,
+            collate_fn=collate_fn,
+        )
     accelerator.end_training()
 
 

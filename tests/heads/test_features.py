@@ -87,6 +87,22 @@ def test_capture_order_duplicates_and_cleanup(build_target):
     assert [len(m._forward_hooks) for m in (model.model, *model.model.layers)] == hooks_before
 
 
+def test_a_paused_capture_records_nothing_and_resumes_even_after_an_error(build_target):
+    model = build_target("llama")
+    hidden = _hidden_states(model)
+    hooks = lambda: [len(m._forward_hooks) for m in (model.model, *model.model.layers)]
+    idle = hooks()
+    with FeatureCapture(model, (1, LAST)) as capture, torch.no_grad():
+        active = hooks()
+        with pytest.raises(KeyError), capture.paused():
+            assert hooks() == idle  # off: another capture (decode.generate's) may run here
+            raise KeyError("a failure inside the block")
+        assert hooks() == active
+        model(PROMPT)
+        torch.testing.assert_close(capture.features(), torch.cat([hidden[2], hidden[-1]], -1), atol=0, rtol=0)
+    assert hooks() == idle
+
+
 def test_capture_errors(build_target):
     model = build_target("llama")
     with pytest.raises(ValueError, match="tap layer id 4 out of range.*4 decoder layers"):
