@@ -67,7 +67,7 @@ def prepare(
         onednn: force oneDNN's reordered weights on or off; None: on for fp32 CPU targets where this torch
             build has them; False removes copies an earlier call gave.
         refresh: take every copy again (the default); False keeps the copies that still hold their weights,
-            for loops that prepare before each call and write no weights (`decode.benchmark`).
+            for loops that prepare before each call and write no weights (`benchmarks.benchmark`).
     """
     fast_cpu = model.device.type == "cpu" and getattr(model, "dtype", None) == torch.float32
     if int8_draft is None:

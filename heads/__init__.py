@@ -1,7 +1,7 @@
-"""Draft heads (Medusa, EAGLE-1, EAGLE-3), hidden-state capture and head checkpoints."""
+"""Draft heads (Medusa, EAGLE-1, EAGLE-3), hidden-state capture and head checkpoints (exports to serving
+engines: the `engines` package)."""
 
 from heads.eagle import EagleConfig, EagleHead
-from heads.export import export_head, import_head, validate_export
 from heads.features import FeatureCapture, find_decoder_layers
 from heads.io import load_heads, save_heads
 from heads.medusa import MedusaConfig, MedusaHeads
@@ -12,10 +12,7 @@ __all__ = [
     "FeatureCapture",
     "MedusaConfig",
     "MedusaHeads",
-    "export_head",
     "find_decoder_layers",
-    "import_head",
     "load_heads",
     "save_heads",
-    "validate_export",
 ]

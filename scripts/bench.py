@@ -31,9 +31,9 @@ from pathlib import Path
 
 import torch
 
-from decode.batch_benchmark import batch_benchmark, plot_batch, render_batch
-from decode.bench_report import plots, render
-from decode.benchmark import benchmark, load_prompts, prompt_ids
+from benchmarks.batch import batch_benchmark, plot_batch, render_batch
+from benchmarks.benchmark import benchmark, load_prompts, prompt_ids
+from benchmarks.report import plots, render
 from decode.calibrate import calibrate_batches
 from decode.tree import DynamicTree
 from heads import load_heads
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> dict:
 def batched(args: argparse.Namespace, model, tokenizer, argv: list[str] | None) -> dict:
     """--batch-sizes: calibrate the batch-size policies on the calibration prompts, then time plain,
     fixed-tree and policy decoding of the same chat prompts in groups of B at each B
-    (decode.batch_benchmark)."""
+    (benchmarks.batch)."""
     head = load_heads(args.eagle3 or args.medusa1, target=model)
     count = args.batch_prompts or max(args.batch_sizes)
     prompts, calibration = load_prompts(DATA, count, max(args.calibration_prompts, 1))

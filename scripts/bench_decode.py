@@ -1,6 +1,6 @@
 """Benchmark plain decoding (`decode.generate`, heads=None) against transformers' `generate`, and the
 target's verify cost C_T(n) for n tree tokens (docs/design.md, When speculation pays;
-decode/plain_benchmark.py). Run with:
+benchmarks/plain.py). Run with:
 
     python scripts/bench_decode.py --threads 1 --max-new-tokens 64 --repeats 5 --prompts 3 --json
     bench_decode.json
@@ -14,7 +14,7 @@ import argparse
 
 import torch
 
-from decode.plain_benchmark import PROMPTS, report, run
+from benchmarks.plain import PROMPTS, report, run
 from heads.files import write_json
 from heads.target import DEFAULT_TARGET, load_target
 

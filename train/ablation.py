@@ -199,8 +199,10 @@ def _pooled_tau(model, tokenizer, head, rows: list[dict], new_tokens: int, batch
     """Greedy decoding with the head's default tree on chat-template prompts
     (`decode.generate.decode_prompts`, `batch_size` prompts per batch: the same tokens and steps as one at a
     time): pooled tau (tokens emitted by verify passes / verify passes, the bonus token counted, the prefill's
-    token left out, as `decode.benchmark` pools it) and the median of per-prompt taus."""
-    from decode.benchmark import prompt_ids  # train -> decode: an allowed direction; lazy, as in evaluate.py
+    token left out, as `benchmarks.benchmark` pools it) and the median of per-prompt taus."""
+    from benchmarks.benchmark import (
+        prompt_ids,
+    )  # train -> benchmarks: an allowed direction; lazy, as in evaluate.py
     from decode.generate import decode_prompts
     from train.data import pad_token_id
 
@@ -255,7 +257,7 @@ def draft_cost_ms(model, tokenizer, head_dir: Path, row: dict, repeats: int = 15
     """Milliseconds of the drafter's work in one greedy decoding step with the default tree (taking in two
     accepted positions, then drafting), after prefilling the chat prompt `row`: the CPU price of an arm's
     head (a larger draft vocabulary costs a larger draft lm_head); `decode.calibrate.measure_propose_cost`."""
-    from decode.benchmark import prompt_ids
+    from benchmarks.benchmark import prompt_ids
     from decode.calibrate import measure_propose_cost
     from decode.propose import drafter_limits
     from decode.tree import resolve_tree

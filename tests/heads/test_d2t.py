@@ -7,8 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from engines.export import export_head, import_head
 from heads.eagle import EagleConfig, EagleHead
-from heads.export import export_head, import_head
 from heads.io import WEIGHTS_NAME, load_heads, save_heads
 
 VD, V = 64, 128

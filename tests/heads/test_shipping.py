@@ -13,8 +13,8 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from benchmarks.benchmark import load_prompts, prompt_ids
 from decode import generate
-from decode.benchmark import load_prompts, prompt_ids
 from heads import shipping
 from heads.eagle import EagleConfig, EagleHead
 from heads.io import load_heads, save_heads

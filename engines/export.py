@@ -1,5 +1,5 @@
-"""Export heads to the layouts serving engines load (validated by heads/formats.py before they are published),
-and import published heads back.
+"""Export heads to the layouts serving engines load (validated by engines/formats.py before they are
+published), and import published heads back.
 
 Formats (docs/design.md, Export formats): `sglang` (EAGLE-3, LlamaForCausalLMEagle3), `speculators` (vLLM
 speculators EAGLE-3), `eagle1` (EAGLE-1 official), `medusa` (FasterDecoding original) and `medusa-vllm`.
@@ -30,9 +30,7 @@ from pathlib import Path
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from heads.eagle import EagleConfig, EagleHead
-from heads.features import from_input_convention, to_input_convention
-from heads.formats import (
+from engines.formats import (
     FILES,
     FORMATS,
     HEAD_TYPE,
@@ -41,6 +39,8 @@ from heads.formats import (
     detect_format,
     validate_export,
 )
+from heads.eagle import EagleConfig, EagleHead
+from heads.features import from_input_convention, to_input_convention
 from heads.io import CONFIG_NAME, check_head_matches_target, load_heads
 from heads.medusa import MedusaConfig, MedusaHeads
 

@@ -1,11 +1,11 @@
-"""decode/plain_benchmark.py (scripts/bench_decode.py): both benchmarks on a tiny random Llama, the report's
+"""benchmarks/plain.py (scripts/bench_decode.py): both benchmarks on a tiny random Llama, the report's
 two tables, the verdict against the goal, and the output check that fails on a mismatch."""
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from decode.plain_benchmark import GOAL, VERIFY_SIZES, check_same, report, run, verdict
+from benchmarks.plain import GOAL, VERIFY_SIZES, check_same, report, run, verdict
 
 
 @pytest.fixture(scope="module")

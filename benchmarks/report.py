@@ -1,13 +1,13 @@
 """The benchmark's reports: `bench.md` (markdown tables of tau, acceptance and speedup per method, temperature
 and prompt category, plus the tree-sizing tables) and its plots, rendered from the record that
-`decode.benchmark.benchmark` returns (bench.json)."""
+`benchmarks.benchmark.benchmark` returns (bench.json)."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-from decode.benchmark import CATEGORIES
+from benchmarks.benchmark import CATEGORIES
 
 
 def markdown(headers: list[str], rows: list[list[str]]) -> str:

@@ -1,4 +1,4 @@
-"""decode/benchmark.py without a benchmark run: pooled tallies, prompt-lookup counting, the rotating run
+"""benchmarks/benchmark.py without a benchmark run: pooled tallies, prompt-lookup counting, the rotating run
 order, the methods built from head folders and their order, the prompt split, and bench.md rendered from a
 known record."""
 
@@ -7,9 +7,7 @@ import json
 import pytest
 import torch
 
-from decode import DEFAULT_EAGLE_TREE, DEFAULT_TREES, DynamicTree
-from decode.bench_report import plots, render
-from decode.benchmark import (
+from benchmarks.benchmark import (
     Method,
     Tally,
     as_tree,
@@ -19,6 +17,8 @@ from decode.benchmark import (
     result_rows,
     rotated,
 )
+from benchmarks.report import plots, render
+from decode import DEFAULT_EAGLE_TREE, DEFAULT_TREES, DynamicTree
 from heads import EagleConfig, EagleHead, MedusaConfig, MedusaHeads, save_heads
 
 

@@ -1,7 +1,7 @@
 """Serving-engine export formats: their names, files and tap conventions, and the checks an export folder
 must pass before it is published (engines drop unknown keys SILENTLY, so every key, shape, vocab map and tap
-list is validated). `heads/export.py` writes and reads these folders; docs/design.md, Export formats, has the
-layouts."""
+list is validated). `engines/export.py` writes and reads these folders; docs/design.md, Export formats, has
+the layouts."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ HEAD_TYPE = {
 }
 MEDUSA_WEIGHTS_NAME = "medusa_lm_head.safetensors"
 FILES = {fmt: (CONFIG_NAME, MEDUSA_WEIGHTS_NAME if fmt == "medusa" else WEIGHTS_NAME) for fmt in FORMATS}
-# the tap id convention each EAGLE-3 format's config uses (sources: the module docstring of heads/export.py)
+# the tap id convention each EAGLE-3 format's config uses (sources: the module docstring of engines/export.py)
 TAP_CONVENTION = {"sglang": "output", "speculators": "input"}
 _LAYER_KEYS = (
     "self_attn.q_proj.weight",

@@ -1,4 +1,4 @@
-"""Tests for heads/export.py: every format round-trips exactly, validators list every defect, mismatches
+"""Tests for engines/export.py: every format round-trips exactly, validators list every defect, mismatches
 refuse."""
 
 import json
@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from decode.generate import generate
+from engines.export import FILES, FORMATS, export_head, import_head, validate_export
 from heads.eagle import EagleConfig, EagleHead
-from heads.export import FILES, FORMATS, export_head, import_head, validate_export
 from heads.io import save_heads
 from heads.medusa import MedusaConfig, MedusaHeads
 
@@ -312,12 +312,12 @@ def test_head_for_another_target_is_refused(tmp_path, llama, build_target):
 
 
 def test_failed_validation_leaves_nothing(tmp_path, llama, monkeypatch):
-    import heads.export
+    import engines.export
 
     def broken(*_args):
         raise ValueError("simulated validation failure")
 
-    monkeypatch.setattr(heads.export, "validate_export", broken)
+    monkeypatch.setattr(engines.export, "validate_export", broken)
     with pytest.raises(ValueError, match="simulated"):
         export_head(make_head("eagle3", llama), "sglang", tmp_path / "out")
     assert list(tmp_path.iterdir()) == []
