@@ -1,5 +1,5 @@
-"""Batched decoding: B sequences share one target KV cache and one forward per
-step, each with its own tree, its own committed length and its own accepted path.
+"""Batched decoding: B sequences share one target KV cache and one forward per step, each with its own tree,
+its own committed length and its own accepted path.
 
 The cache stays rectangular, (B, heads, L, head_dim) per layer. Column validity is per row (`valid`, (B, L)):
 left padding and the columns a row did not keep are masked out, never attended to. Positions come from each

@@ -161,7 +161,7 @@ def generate(
             top_k=top_k,
             tree=tree,
             seed=seed,
-            eos_token_id=sorted(eos),
+            eos_token_id=eos_token_id,
         )
     drafter = make_drafter(heads, model) if heads is not None else None
     device = model.device
