@@ -32,7 +32,7 @@ from decode import (
 from decode.layout import is_onednn, is_pretransposed
 from decode.timing import synchronize
 from heads import load_heads
-from heads.target import load_target, merge_lora
+from targets import load_target, merge_lora
 
 CHAT_SOURCES = {"chitchat", "chitchat_starter"}  # prompts_eval.jsonl sources of the "chat" category
 CATEGORIES = ("chat", "instruction", "code")

@@ -60,7 +60,7 @@ ordinary `F.linear` with the weight, so a stale copy is never read and every wei
 stale copy is freed at the layer's next call, and the next `onednn_linears`, `pretranspose_linears` or
 `pack_linears` call takes a new one. One write goes unseen: through `weight.data` in place (`w.data += d`),
 which bumps no version counter; after such a write call them with `force=True`, or `decode.prepare`, which
-takes every copy again. `heads.target.merge_lora` merges by replacing storage, which is seen.
+takes every copy again. `targets.merge_lora` merges by replacing storage, which is seen.
 
 A leaf: this module knows `nn.Linear` only (no heads, trees or decoding loop).
 """

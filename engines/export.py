@@ -213,7 +213,7 @@ def _target_tensors(target) -> tuple[Tensor | None, Tensor | None, object]:
     if target is None:
         return None, None, None
     if isinstance(target, (str, Path)):
-        from heads.target import load_target  # resolves the offline default target too
+        from targets import load_target  # resolves the offline default target too
 
         target, _ = load_target(str(target))
     return (target.get_input_embeddings().weight, target.get_output_embeddings().weight, target.config)

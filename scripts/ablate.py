@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 from benchmarks.benchmark import load_prompts
-from heads.target import load_target
+from targets import load_target
 from train.ablation import DUMPED, dump_states, judge_arm, load_spec, run_arm, write_results
 from train.config import EagleRunConfig, MedusaRunConfig, load_config
 

@@ -39,7 +39,7 @@ from decode.tree import DynamicTree
 from heads import load_heads
 from heads.files import write_json, write_text
 from heads.shipping import pretrained_dir
-from heads.target import DEFAULT_TARGET, load_target
+from targets import DEFAULT_TARGET, load_target
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "smollm2"
 SHIPPED = ("eagle3", "medusa1")  # the heads --pretrained looks for

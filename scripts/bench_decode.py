@@ -16,7 +16,7 @@ import torch
 
 from benchmarks.plain import PROMPTS, report, run
 from heads.files import write_json
-from heads.target import DEFAULT_TARGET, load_target
+from targets import DEFAULT_TARGET, load_target
 
 
 def main(argv: list[str] | None = None) -> dict:

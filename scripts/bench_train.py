@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from heads.target import DEFAULT_TARGET, load_target
+from targets import DEFAULT_TARGET, load_target
 from train.config import EagleRunConfig, MedusaRunConfig, load_config
 from train.throughput import step_times, synthetic_batches, table
 

@@ -20,7 +20,7 @@ import torch
 
 from decode import generate, prepare
 from heads import load_heads
-from heads.target import DEFAULT_TARGET, load_target
+from targets import DEFAULT_TARGET, load_target
 
 PROMPTS = Path(__file__).resolve().parents[1] / "data" / "smollm2" / "prompts_eval.jsonl"  # never trained on
 

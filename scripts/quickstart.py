@@ -31,7 +31,7 @@ import torch
 from benchmarks.benchmark import load_prompts
 from decode import DEFAULT_EAGLE_TREE, calibrate, generate, is_int8_draft, prepare, tree_label
 from heads import load_heads
-from heads.target import DEFAULT_TARGET, load_target
+from targets import DEFAULT_TARGET, load_target
 from train.config import EagleRunConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[1]

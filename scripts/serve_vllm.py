@@ -29,7 +29,7 @@ from pathlib import Path
 from engines.export import export_head
 from engines.serving import export_folder, server_command, vllm_export
 from heads.io import read_head_config
-from heads.target import DEFAULT_TARGET, cache_dir, resolve_target
+from targets import DEFAULT_TARGET, cache_dir, resolve_target
 from train.venv import VLLM_ENV, clean_env, vllm_python
 
 

@@ -11,7 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from decode.propose import Drafter
 from heads.features import LAST
-from heads.target import materialize_default_target
+from targets import materialize_default_target
 
 # The four architectures the lossless grid runs on, and two more that build and decode losslessly here too
 # (gemma2: alternating sliding / full layers and soft-capping; gemma3_text: sliding layers and per-layer-type

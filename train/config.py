@@ -17,8 +17,8 @@ import torch
 import yaml
 
 from heads.eagle import HEAD_TYPES
-from heads.target import DEFAULT_TARGET
 from heads.typed import ConfigError, build_dataclass
+from targets import DEFAULT_TARGET
 
 T = TypeVar("T")
 

@@ -12,7 +12,7 @@ from datasets import Dataset
 from torch.utils.data import DataLoader
 
 from decode.layout import onednn_linears
-from heads.target import load_target
+from targets import load_target
 from train.config import TORCH_DTYPES, DataConfig, ModelConfig, TrainConfig
 from train.data import build_dataset, collate, length_grouped_order, split_eval
 from train.distributed import whole_on_every_rank

@@ -15,7 +15,7 @@ import tarfile
 import zipfile
 from pathlib import Path
 
-from heads.target import cache_dir
+from targets import cache_dir
 
 # Pinned distributions: (PyPI name, version, sdist?). The archives are cached, so PyPI is needed once.
 CHITCHAT = ("chitchat-dataset", "0.9.0", False)

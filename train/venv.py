@@ -10,7 +10,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from heads.target import cache_dir
+from targets import cache_dir
 
 READY = ".selfspec-ready"  # written last: a half-built venv is rebuilt, not trusted
 

@@ -11,7 +11,7 @@ import torch
 
 from decode.layout import can_onednn
 from heads import EagleConfig, EagleHead, MedusaConfig, MedusaHeads, save_heads
-from heads.target import load_target
+from targets import load_target
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench.py"
 X86_INT8 = bool({"x86", "fbgemm"} & set(torch.backends.quantized.supported_engines))  # decode.prepare's int8

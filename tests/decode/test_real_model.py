@@ -7,7 +7,7 @@ import torch
 from decode import DynamicTree, generate
 from decode.batch import left_padded
 from heads import EagleConfig, EagleHead, MedusaConfig, MedusaHeads
-from heads.target import load_target
+from targets import load_target
 
 PROMPTS = [
     "What is the capital of France?",

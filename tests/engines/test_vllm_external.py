@@ -42,7 +42,7 @@ from decode.tree import chain
 from engines.export import export_head, validate_export
 from engines.serving import PER_POSITION, spec_metrics
 from heads import EagleHead, FeatureCapture, load_heads
-from heads.target import load_target, materialize_default_target
+from targets import load_target, materialize_default_target
 from train.venv import VLLM, VLLM_ENV, clean_env, venv_folder, venv_stamp
 from train.venv import vllm_python as vllm_python_build
 

@@ -19,7 +19,7 @@ from heads import shipping
 from heads.eagle import EagleConfig, EagleHead
 from heads.io import load_heads, save_heads
 from heads.shipping import CARD, TRAIN_CONFIG, pretrained_dir, ship_head, target_slug
-from heads.target import DEFAULT_TARGET, load_target
+from targets import DEFAULT_TARGET, load_target
 from train.config import EagleRunConfig, MedusaRunConfig, load_config, to_dict
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from heads.target import load_target
+from targets import load_target
 from train.ablation import (
     DONE,
     DUMPED,

@@ -12,7 +12,7 @@ from datasets import Dataset
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from heads.target import materialize_default_target
+from targets import materialize_default_target
 from train.data import (
     BadRow,
     build_dataset,

@@ -26,7 +26,7 @@ from accelerate.utils import DistributedType
 from safetensors.torch import load_file
 
 from heads import load_heads
-from heads.target import load_target
+from targets import load_target
 from train.checkpoint import PROGRESS_FILE, latest_state
 from train.config import ModelConfig
 from train.distributed import (

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from decode import generate
 from heads import load_heads
-from heads.target import load_target
+from targets import load_target
 from train.checkpoint import latest_state
 from train.config import ConfigError, EagleRunConfig, load_config, to_dict
 
@@ -121,7 +121,7 @@ def test_unknown_override_fails_before_any_model_loads(tmp_path, overrides, monk
     def no_model(*args, **kwargs):
         raise AssertionError("a model was loaded before the config was checked")
 
-    monkeypatch.setattr("heads.target.load_target", no_model)  # what train/eagle.py imports when it runs
+    monkeypatch.setattr("targets.load_target", no_model)  # what train/eagle.py imports when it runs
     out = tmp_path / "run"
     monkeypatch.setattr(
         sys, "argv", ["train/eagle.py", str(TINY_YAML), *overrides(out), "train.lerning_rate=1e-3"]

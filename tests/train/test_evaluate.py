@@ -11,7 +11,7 @@ from datasets import Dataset
 from torch import nn
 
 from heads import EagleConfig, EagleHead
-from heads.target import load_target
+from targets import load_target
 from train.config import EagleRunConfig, load_config
 from train.data import build_dataset
 from train.distributed import make_accelerator

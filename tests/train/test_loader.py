@@ -10,7 +10,7 @@ from datasets import Dataset
 
 import train.loader
 from decode.layout import can_onednn, is_onednn
-from heads.target import load_target
+from targets import load_target
 from train.config import EagleRunConfig, MedusaRunConfig, ModelConfig, TrainConfig, load_config
 from train.distributed import make_accelerator
 from train.loader import epoch_loader, expand_files, steps_per_epoch, total_steps

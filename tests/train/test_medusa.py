@@ -12,7 +12,7 @@ import train.medusa
 from decode import generate
 from decode.layout import can_onednn, onednn_linears
 from heads import MedusaHeads, load_heads
-from heads.target import load_target, merge_lora
+from targets import load_target, merge_lora
 from train.config import MedusaRunConfig, load_config
 
 TINY_YAML = Path(__file__).resolve().parents[2] / "configs" / "tiny_test.yaml"

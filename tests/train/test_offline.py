@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 import train.offline
-from heads.target import load_target
+from targets import load_target
 from train.config import EagleRunConfig, load_config
 from train.data import build_dataset
 from train.offline import INDEX_FILE, OfflineStates, dump_for_run, dump_hidden_states, estimate_bytes

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from heads.target import load_target
+from targets import load_target
 from train.data import build_dataset
 from train.offline import INDEX_FILE, dump_hidden_states
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from heads.target import materialize_default_target
+from targets import materialize_default_target
 from train import regen
 from train.data import BadRow, read_rows
 from train.regen import batched_generate, read_prompts, regenerate

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from heads.target import load_target
+from targets import load_target
 from train.config import EagleTrainConfig, MedusaTrainConfig
 from train.throughput import step_times, synthetic_batches, table, timed
 

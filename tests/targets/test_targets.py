@@ -1,4 +1,4 @@
-"""Tests for heads/target.py: the default target's one-time GGUF -> fp32 HF conversion, and target loading."""
+"""Tests for targets/: the default target's one-time GGUF -> fp32 HF conversion, and target loading."""
 
 import importlib.util
 import json
@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-from heads import target
-from heads.target import (
+import targets as target
+from targets import (
     DEFAULT_TARGET,
     cache_dir,
     load_target,
