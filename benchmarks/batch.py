@@ -20,9 +20,10 @@ import torch
 from torch import nn
 
 from decode.batch import generate_batch, left_padded
-from decode.calibrate import BatchCalibration
+from decode.calibrate import BatchCalibration, calibrate_batches
 from decode.sizing import measured_batch, policy_tree
 from decode.tree import DynamicTree
+from heads.files import write_json, write_text
 
 
 def tree_name(tree) -> str:
@@ -215,3 +216,54 @@ def plot_batch(records: list[dict], out: Path) -> Path:
     figure.savefig(path, dpi=120)
     plt.close(figure)
     return path
+
+
+def batch_run(
+    model: nn.Module,
+    head: nn.Module,
+    ids: list[torch.Tensor],
+    calibration_ids: list[torch.Tensor],
+    batch_sizes: Sequence[int],
+    *,
+    tree,
+    max_new_tokens: int,
+    repeats: int,
+    pad_token_id: int,
+    rowwise: bool,
+    out: Path,
+    command: str,
+    head_path: str,
+) -> dict:
+    """`scripts/bench.py --batch-sizes`: calibrate the batch-size policies on `calibration_ids`, then time
+    plain, fixed-tree and policy decoding of `ids` in groups of B at each B (`batch_benchmark`); writes
+    batch.md, batch.json and the plot to `out`, prints the table, and returns what batch.json holds (and the
+    plot's path)."""
+    print(
+        f"calibrating the batch policies on {len(calibration_ids)} prompts for batch sizes "
+        f"{list(batch_sizes)} ...",
+        file=sys.stderr,
+        flush=True,
+    )
+    measured = calibrate_batches(
+        model, head, calibration_ids, batch_sizes, max_new_tokens=max_new_tokens, repeats=repeats
+    )
+    records = batch_benchmark(
+        model,
+        head,
+        ids,
+        batch_sizes,
+        measured,
+        tree=tree,
+        max_new_tokens=max_new_tokens,
+        repeats=repeats,
+        pad_token_id=pad_token_id,
+        rowwise=rowwise,
+    )
+    results = {"command": command, "head": head_path, "batches": records}
+    report = render_batch(records, tree)
+    write_text(out / "batch.md", report)
+    write_json(out / "batch.json", results)
+    results["plot"] = str(plot_batch(records, out))
+    print(report)
+    print(f"wrote {out}/batch.md, batch.json, {results['plot']}")
+    return results

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.benchmark import CATEGORIES
+from heads.files import write_json, write_text
 
 
 def markdown(headers: list[str], rows: list[list[str]]) -> str:
@@ -142,3 +143,15 @@ def plots(results: dict, out: Path) -> list[str]:
     fig.savefig(out / "speedup_vs_tree.png", dpi=110)
     plt.close("all")
     return ["acceptance.png", "speedup_vs_tree.png"]
+
+
+def write_report(results: dict, out: Path) -> dict:
+    """Write bench.md, bench.json and the plots of a `benchmark` run to `out`, print the table; returns
+    `results` with the plots' paths added (after bench.json was written)."""
+    report = render(results)
+    write_text(out / "bench.md", report)
+    write_json(out / "bench.json", results)
+    results["plots"] = plots(results, out)
+    print(report)
+    print(f"wrote {out}/bench.md, bench.json" + "".join(f", {p}" for p in results["plots"]))
+    return results

@@ -31,13 +31,11 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.batch import batch_benchmark, plot_batch, render_batch
+from benchmarks.batch import batch_run
 from benchmarks.benchmark import benchmark, load_prompts, prompt_ids
-from benchmarks.report import plots, render
-from decode.calibrate import calibrate_batches
+from benchmarks.report import write_report
 from decode.tree import DynamicTree
 from heads import load_heads
-from heads.files import write_json, write_text
 from heads.shipping import pretrained_dir
 from targets import DEFAULT_TARGET, load_target
 
@@ -162,14 +160,15 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
     model, tokenizer = load_target(args.model)
+    command = "python scripts/bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.batch_sizes:
-        return batched(args, model, tokenizer, argv)
+        return batched(args, model, tokenizer, command)
     prompts, calibration = load_prompts(
         DATA, args.prompts, args.calibration_prompts if args.size_tree else 0, args.skip_prompts
     )
     paths = {name: getattr(args, name) for name in ("medusa1", "eagle1", "eagle3", "medusa2")}
     results = {
-        "command": "python scripts/bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": command,
         **benchmark(
             model,
             tokenizer,
@@ -190,63 +189,30 @@ def main(argv: list[str] | None = None) -> dict:
             onednn=False if args.pretranspose is False else args.onednn,
         ),
     }
-    report = render(results)
-    write_text(args.out / "bench.md", report)
-    write_json(args.out / "bench.json", results)
-    results["plots"] = plots(results, args.out)
-    print(report)
-    print(f"wrote {args.out}/bench.md, bench.json" + "".join(f", {p}" for p in results["plots"]))
-    return results
+    return write_report(results, args.out)
 
 
-def batched(args: argparse.Namespace, model, tokenizer, argv: list[str] | None) -> dict:
-    """--batch-sizes: calibrate the batch-size policies on the calibration prompts, then time plain,
-    fixed-tree and policy decoding of the same chat prompts in groups of B at each B
-    (benchmarks.batch)."""
-    head = load_heads(args.eagle3 or args.medusa1, target=model)
-    count = args.batch_prompts or max(args.batch_sizes)
-    prompts, calibration = load_prompts(DATA, count, max(args.calibration_prompts, 1))
-    ids = [prompt_ids(tokenizer, row) for row in prompts["chat"]]
-    print(
-        f"calibrating the batch policies on {len(calibration)} prompts for batch sizes "
-        f"{args.batch_sizes} ...",
-        file=sys.stderr,
-        flush=True,
+def batched(args: argparse.Namespace, model, tokenizer, command: str) -> dict:
+    """--batch-sizes: `benchmarks.batch.batch_run` with the EAGLE-3 head (else Medusa-1) on chat prompts."""
+    head_path = args.eagle3 or args.medusa1
+    prompts, calibration = load_prompts(
+        DATA, args.batch_prompts or max(args.batch_sizes), max(args.calibration_prompts, 1)
     )
-    measured = calibrate_batches(
+    return batch_run(
         model,
-        head,
+        load_heads(head_path, target=model),
+        [prompt_ids(tokenizer, row) for row in prompts["chat"]],
         [prompt_ids(tokenizer, row) for row in calibration],
         args.batch_sizes,
+        tree=DynamicTree(*args.eagle3_tree[0]) if args.eagle3 and args.eagle3_tree else None,
         max_new_tokens=args.max_new_tokens,
         repeats=args.repeats,
-    )
-    tree = DynamicTree(*args.eagle3_tree[0]) if args.eagle3 and args.eagle3_tree else None
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    records = batch_benchmark(
-        model,
-        head,
-        ids,
-        args.batch_sizes,
-        measured,
-        tree=tree,
-        max_new_tokens=args.max_new_tokens,
-        repeats=args.repeats,
-        pad_token_id=pad,
+        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
         rowwise=args.batch_rowwise,
+        out=args.out,
+        command=command,
+        head_path=str(head_path),
     )
-    results = {
-        "command": "python scripts/bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "head": str(args.eagle3 or args.medusa1),
-        "batches": records,
-    }
-    report = render_batch(records, tree)
-    write_text(args.out / "batch.md", report)
-    write_json(args.out / "batch.json", results)
-    results["plot"] = str(plot_batch(records, args.out))
-    print(report)
-    print(f"wrote {args.out}/batch.md, batch.json, {results['plot']}")
-    return results
 
 
 if __name__ == "__main__":
