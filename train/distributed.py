@@ -11,19 +11,10 @@ from contextlib import contextmanager
 
 import torch
 from accelerate import Accelerator
-from accelerate.state import PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, InitProcessGroupKwargs
 from torch import nn
 
 from train.config import HALF_PRECISIONS, TORCH_DTYPES, ModelConfig, TrainConfig
-
-# TEST-ONLY switch (the FSDP2 tests of tests/train/test_distributed*.py): accelerate 1.15 never selects FSDP
-# without a GPU-like device, so on CPU processes launched with configs/accelerate/fsdp2.yaml it builds a gloo
-# MULTI_CPU group. With this set to 1, make_accelerator then flips that group to accelerate's FSDP2 path
-# (plugin from the launch config's FSDP_* variables) before anything is prepared. What it bypasses: only
-# accelerate's choice of the distributed type; sharding, state dicts and resume states are accelerate's and
-# torch's own FSDP2 code. GPU runs never need it (there accelerate picks FSDP from the same config by itself).
-FSDP_ON_CPU_ENV = "SELFSPEC_TEST_FSDP_ON_CPU"
 
 
 def make_accelerator(train: TrainConfig) -> Accelerator:
@@ -58,10 +49,6 @@ def make_accelerator(train: TrainConfig) -> Accelerator:
             kwargs["cpu"] = True
     accelerator = Accelerator(**kwargs)
     fsdp_asked = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
-    if os.environ.get(FSDP_ON_CPU_ENV) == "1" and accelerator.distributed_type == DistributedType.MULTI_CPU:
-        accelerator.state.distributed_type = DistributedType.FSDP  # see FSDP_ON_CPU_ENV: test-only
-        PartialState().distributed_type = DistributedType.FSDP
-        accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin()
     if accelerator.distributed_type == DistributedType.FSDP and train.mixed_precision != "no":
         _fsdp2_fp32_reduction(accelerator.state.fsdp_plugin, train.mixed_precision)
     elif fsdp_asked and accelerator.distributed_type != DistributedType.FSDP:

@@ -30,13 +30,14 @@ from targets import load_target
 from train.checkpoint import PROGRESS_FILE, latest_state
 from train.config import ModelConfig
 from train.distributed import (
-    FSDP_ON_CPU_ENV,
     _fsdp2_fp32_reduction,
     check_deepspeed_precision,
     shard_fsdp2_units,
     shards_trained_weights,
     whole_parameters,
 )
+
+FSDP_ON_CPU = "tests/train/fsdp_on_cpu.py"  # test-only: accelerate's FSDP2 path on CPU processes
 
 COMMON = [
     "train.eval_tau_prompts=0",
@@ -128,20 +129,17 @@ def test_deepspeed_zero_trains_exports_and_matches_ddp(
 def fsdp2_command(cli, args: list[str]) -> list[str]:
     """configs/accelerate/fsdp2.yaml with a wrapping threshold the tiny head crosses, so that parts of it get
     shard units of their own (the real threshold, 1e8 parameters, would leave one unit: the root)."""
-    command = cli.command("train/eagle.py", args, accelerate_config="fsdp2.yaml")
+    command = cli.command([FSDP_ON_CPU, "train/eagle.py"], args, accelerate_config="fsdp2.yaml")
     at = command.index("--config_file") + 2
     return command[:at] + ["--fsdp_min_num_params", "2000"] + command[at:]
 
 
 @pytest.mark.distributed
-def test_fsdp2_shards_the_head_trains_evaluates_resumes_and_matches_ddp(
-    ddp, tmp_path, two_rank_args, cli, monkeypatch
-):
+def test_fsdp2_shards_the_head_trains_evaluates_resumes_and_matches_ddp(ddp, tmp_path, two_rank_args, cli):
     """configs/accelerate/fsdp2.yaml as GPU users launch it, on 2 CPU processes. accelerate does not pick FSDP
-    without a GPU, so the test-only switch FSDP_ON_CPU_ENV (train/distributed.py) flips the gloo group it
+    without a GPU, so the test-only wrapper tests/train/fsdp_on_cpu.py flips the gloo group it
     builds to accelerate's FSDP2 path; that choice is all it bypasses. The log must show FSDP and the resume
     state must be FSDP's sharded checkpoint, so a run that fell back to DDP fails here."""
-    monkeypatch.setenv(FSDP_ON_CPU_ENV, "1")  # the subprocesses inherit it
     out = tmp_path / "fsdp2"
     args = two_rank_args(out, "train.save_every_steps=2", "train.keep_checkpoints=2", evaluate=True)
     log = cli.run(fsdp2_command(cli, args), tmp_path / "log.txt", timeout=600)

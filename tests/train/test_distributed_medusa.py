@@ -28,6 +28,7 @@ TWO_RANKS = [*COMMON, "train.per_device_batch_size=1", "train.eval_tau_prompts=1
 HEADS_ONLY = ["medusa.heads_only_steps=3"]  # the whole run is the heads-only stage
 ATOL = 1e-5
 FSDP_UNIT_PARAMS = 5000
+FSDP_ON_CPU = "tests/train/fsdp_on_cpu.py"  # test-only: accelerate's FSDP2 path on CPU processes
 
 
 def heads_and_lora(run: Path) -> tuple[dict, dict]:
@@ -52,7 +53,8 @@ def launch(cli, overrides, uniform_chats, out: Path, accelerate_config: str, *ex
     args = overrides(
         out, *TWO_RANKS, f"data.eval_files=['{uniform_chats}']", *extra, train_file=uniform_chats
     )
-    command = cli.command("train/medusa.py", args, accelerate_config=accelerate_config)
+    script = [FSDP_ON_CPU, "train/medusa.py"] if accelerate_config == "fsdp2.yaml" else "train/medusa.py"
+    command = cli.command(script, args, accelerate_config=accelerate_config)
     # a threshold the tiny model crosses, so units are really made: each
     if accelerate_config == "fsdp2.yaml":
         # decoder layer and lm_head inside ModuleLists, and a tied embedding / lm_head that must stay together
@@ -71,12 +73,8 @@ def launch(cli, overrides, uniform_chats, out: Path, accelerate_config: str, *ex
     ],
 )
 def test_medusa2_heads_and_lora_match_one_process(
-    accelerate_config, distributed_type, single, tmp_path, overrides, uniform_chats, cli, monkeypatch
+    accelerate_config, distributed_type, single, tmp_path, overrides, uniform_chats, cli
 ):
-    if accelerate_config == "fsdp2.yaml":  # test-only: see test_distributed.py's FSDP2 test
-        from train.distributed import FSDP_ON_CPU_ENV
-
-        monkeypatch.setenv(FSDP_ON_CPU_ENV, "1")
     out = tmp_path / "run"
     log = launch(cli, overrides, uniform_chats, out, accelerate_config)
     assert f"2 process(es), DistributedType.{distributed_type}" in log
