@@ -107,7 +107,7 @@ def _holds(weight: Tensor, copy: _Copy) -> bool:
     return (
         weight.data_ptr() == copy.source.data_ptr()
         and weight._version == copy.version
-        and getattr(weight, _STEPS, 0) == copy.steps
+        and steps_over(weight) == copy.steps
         and weight.dtype == copy.source.dtype
         and weight.shape == copy.source.shape
     )
@@ -129,7 +129,7 @@ def _take(layer: nn.Linear, key: str, make, rows: int | None = None) -> int:
     with torch.no_grad():
         source = weight.detach()
         copy = make(source)
-    layer.__dict__[key] = _Copy(copy, source, weight._version, getattr(weight, _STEPS, 0), rows)
+    layer.__dict__[key] = _Copy(copy, source, weight._version, steps_over(weight), rows)
     layer.forward = types.MethodType(_forward, layer)
     return weight.numel() * weight.element_size()
 
