@@ -19,8 +19,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from decode.batch import generate_batch, left_padded
+from decode.batch import left_padded
 from decode.calibrate import BatchCalibration, calibrate_batches
+from decode.generate import generate
 from decode.sizing import measured_batch, policy_tree
 from decode.tree import DynamicTree
 from heads.files import write_json, write_text
@@ -64,7 +65,7 @@ def batch_benchmark(
         max_new_tokens: new tokens per row.
         repeats: timing rounds (the methods rotate their order between rounds).
         pad_token_id: left padding of the prompts.
-        rowwise: also time the fixed tree with each row drafting on its own (`batch_draft=False`).
+        rowwise: also time the fixed tree with each row drafting on its own (a drafter per row).
     """
     if not prompts:
         raise ValueError("no prompts to decode")
@@ -96,14 +97,13 @@ def batch_benchmark(
                 tokens, seconds, row_replies, row_taus = 0, 0.0, [], []
                 for ids, mask in groups:
                     spec = make_spec()  # a fresh adaptive policy per group: it learns that group
-                    out = generate_batch(
+                    out = generate(
                         model,
                         ids,
-                        mask,
-                        drafts,
+                        drafts if together else [drafts] * ids.shape[0],
                         max_new_tokens=max_new_tokens,
                         tree=spec,
-                        batch_draft=together,
+                        attention_mask=mask,
                     )
                     tokens, seconds = tokens + sum(out.new_tokens), seconds + out.seconds
                     row_replies += out.replies

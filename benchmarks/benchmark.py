@@ -29,21 +29,31 @@ from decode import (
     prepare,
     tree_label,
 )
+from decode.drafters.composite import Composite
+from decode.drafters.model import DraftModel
+from decode.drafters.ngram import Ngram
 from decode.layout import is_onednn, is_pretransposed
 from decode.timing import synchronize
 from heads import load_heads
 from targets import load_target, merge_lora
+from targets.layer_draft import layer_draft
 
 CHAT_SOURCES = {"chitchat", "chitchat_starter"}  # prompts_eval.jsonl sources of the "chat" category
 CATEGORIES = ("chat", "instruction", "code")
 VERIFY_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48)  # tree sizes whose verify cost the sizing measures
 PROMPT_LOOKUP_TOKENS = 10  # transformers' documented starting point for prompt_lookup_num_tokens
+# our prompt lookup (`decode.drafters.ngram`): a chain of up to as many tokens, drafted while the copy is sure
+# (a node without any match scores about 1/V: the chain stops there, and a step without a match is plain)
+LOOKUP_TREE = DynamicTree(
+    depth=PROMPT_LOOKUP_TOKENS, top_k=1, total_tokens=PROMPT_LOOKUP_TOKENS, min_prob=0.05
+)
+LOOKUP = "prompt lookup (transformers)"  # transformers' implementation: an outside reference row
 
 
 @dataclass
 class Method:
     name: str
-    heads: torch.nn.Module | None = None  # None: plain or prompt lookup
+    heads: object = None  # a draft source (`decode.generate`'s `heads`); None: plain or transformers' lookup
     tree: object = None
     target: str = "base"  # "base" or "medusa2" (the LoRA-merged target)
     kind: str = "ours"  # "ours" (decode.generate) or "lookup" (transformers)
@@ -59,7 +69,7 @@ class Tally:
     steps: int = 0
     emitted: int = 0  # tokens emitted by verify steps (what the prefill emitted is left out)
     per_depth: list[int] = field(default_factory=list)
-    draft_nodes: int | None = 0  # None: unknown (prompt lookup)
+    draft_nodes: int | None = 0  # None: unknown (transformers' prompt lookup)
     plain_tokens: int = 0
     plain_seconds: float = 0.0
     ratios: list[float] = field(default_factory=list)  # per-prompt speedups
@@ -202,7 +212,7 @@ def run_ours(
         temperature=temperature,
         tree=method.tree,
         seed=seed,
-    )
+    ).one
     return {
         "sequences": out.sequences.cpu(),
         "tokens": out.new_tokens,
@@ -265,7 +275,7 @@ def sizing_record(
 
 
 def build_methods(
-    model, model_name: str, paths: dict[str, str | None], eagle3_trees=(), medusa1_trees=()
+    model, model_name: str, paths: dict[str, str | None], eagle3_trees=(), medusa1_trees=(), draft_layers=()
 ) -> tuple[list[Method], dict, dict]:
     """The methods to compare, in report order, the loaded heads by name, and the targets by name.
 
@@ -277,6 +287,8 @@ def build_methods(
         eagle3_trees: (depth, top_k, total_tokens) or (depth, top_k, total_tokens, min_prob) of more EAGLE-3
             dynamic trees.
         medusa1_trees: the same, of Medusa-1 dynamic trees (depth at most its heads).
+        draft_layers: layer counts N of drafts made of the target's first N layers (`targets.layer_draft`),
+            each a separate draft model (`decode.drafters.model.DraftModel`) with the default dynamic tree.
     """
     loaded = {
         name: load_heads(paths[name], target=model)
@@ -284,7 +296,10 @@ def build_methods(
         if paths.get(name)
     }
     targets = {"base": model}
-    methods = [Method("prompt lookup", kind="lookup", tree_label=f"{PROMPT_LOOKUP_TOKENS} tokens")]
+    methods = [
+        Method("prompt lookup", Ngram(), LOOKUP_TREE, tree_label=tree_label(LOOKUP_TREE)),
+        Method(LOOKUP, kind="lookup", tree_label=f"{PROMPT_LOOKUP_TOKENS} tokens"),
+    ]
     if paths.get("medusa2"):
         targets["medusa2"] = merge_lora(load_target(model_name)[0], Path(paths["medusa2"]) / "lora")
         loaded["medusa2"] = load_heads(Path(paths["medusa2"]) / "head", target=targets["medusa2"])
@@ -299,6 +314,13 @@ def build_methods(
         methods.append(Method("EAGLE-3 static", loaded["eagle3"], "tree8", tree_label=tree_label("tree8")))
         methods.append(Method("EAGLE-3 dynamic", loaded["eagle3"], DEFAULT_EAGLE_TREE, tree_label=dynamic))
         methods += dynamic_methods("EAGLE-3", loaded["eagle3"], eagle3_trees)
+        both = Composite([loaded["eagle3"], Ngram()])
+        methods.append(Method("EAGLE-3 + lookup", both, DEFAULT_EAGLE_TREE, tree_label=dynamic))
+    for layers in draft_layers:
+        draft = DraftModel(layer_draft(model, layers))
+        methods.append(
+            Method(f"draft model ({layers} layers)", draft, DEFAULT_EAGLE_TREE, tree_label=dynamic)
+        )
     if "medusa1" in loaded:
         methods += dynamic_methods("Medusa-1", loaded["medusa1"], medusa1_trees)
     return methods, loaded, targets
@@ -418,6 +440,7 @@ def benchmark(
     eagle3_trees=(),
     medusa1_trees=(),
     medusa1_nodes=(),
+    draft_layers=(),
     pretranspose: bool | None = None,
     int8_draft: bool | None = None,
     onednn: bool | None = None,
@@ -433,7 +456,9 @@ def benchmark(
         pretranspose, int8_draft, onednn: `decode.prepare`'s options, the same for every method, plain
             decoding included (None: where they help on this device).
     """
-    methods, loaded, targets = build_methods(model, model_name, paths, eagle3_trees, medusa1_trees)
+    methods, loaded, targets = build_methods(
+        model, model_name, paths, eagle3_trees, medusa1_trees, draft_layers
+    )
     layout = {"pretranspose": pretranspose, "int8_draft": int8_draft, "onednn": onednn}
     results: dict = {
         "model": model_name,

@@ -1,8 +1,9 @@
 """Tree-attention speculative decoding: trees, verification, acceptance, `prepare` and `generate`."""
 
-from decode.batch import BatchOutput, generate_batch
 from decode.calibrate import Calibration, calibrate
-from decode.generate import GenerateOutput, generate
+from decode.drafter import Drafter, DraftLimits, RowDrafters
+from decode.generate import GenerateOutput, RowOutput, generate
+from decode.policy import TreePolicy
 from decode.prepare import is_int8_draft, prepare
 from decode.sizing import best_tree
 from decode.tree import (
@@ -18,16 +19,19 @@ from decode.tree import (
 __all__ = [
     "DEFAULT_EAGLE_TREE",
     "DEFAULT_TREES",
-    "BatchOutput",
     "Calibration",
+    "DraftLimits",
+    "Drafter",
     "DynamicTree",
     "GenerateOutput",
+    "RowDrafters",
+    "RowOutput",
     "TreeBuffers",
+    "TreePolicy",
     "best_tree",
     "build_tree",
     "calibrate",
     "generate",
-    "generate_batch",
     "is_int8_draft",
     "prepare",
     "tree_label",

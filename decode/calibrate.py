@@ -15,12 +15,12 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from decode.batch import commit, generate_batch, left_padded, prefill, verify_batch
-from decode.batch_draft import make_batch_drafter, propose_batch
+from decode.batch import commit, left_padded, prefill, verify_batch
+from decode.drafters import make_drafter
 from decode.generate import generate
 from decode.layout import can_pack, is_pretransposed, pack_linears, packed_rows
 from decode.prepare import head_rows
-from decode.propose import make_drafter, propose
+from decode.propose import propose
 from decode.sizing import (
     AdaptivePolicy,
     BatchChoice,
@@ -35,7 +35,6 @@ from decode.sizing import (
 from decode.timing import synchronize
 from decode.tree import DraftTree, DynamicTree, TreeBuffers, build_tree, tree_label
 from decode.verify import verify
-from heads.eagle import EagleHead
 from heads.features import FeatureCapture
 
 
@@ -140,63 +139,42 @@ def _probe(model: nn.Module, layers, context: torch.Tensor, advance_tokens: int)
 @torch.no_grad()
 def measure_propose_cost(
     model: nn.Module,
-    heads: nn.Module,
+    heads,
     context: torch.Tensor,
     trees: Sequence[TreeBuffers | DynamicTree],
     repeats: int = 5,
     advance_tokens: int = 2,
+    batch: int = 1,
 ) -> list[float]:
-    """Median seconds of the drafter's work in one decoding step, per tree: taking in `advance_tokens` newly
-    accepted positions (Medusa: its heads and their lm_head; EAGLE: a draft forward over them) and then
-    drafting the tree (greedy), after the target prefilled `context` (1, T)."""
-    drafter = make_drafter(heads, model)
+    """Median seconds of the drafter's work in one decoding step, per tree, for `batch` rows drafting together
+    over copies of `context` (1, T): every row taking in `advance_tokens` newly accepted positions (Medusa:
+    its heads and their lm_head; EAGLE: a draft forward over them) and then drafting the tree (greedy), after
+    the target prefilled `context`. A head packed for a tree (`decode.layout.pack_linears`) is packed as
+    `decode.prepare.pack_for_tree` packs it for each tree while it is measured, and as it was afterwards."""
+    drafter = make_drafter(heads, model, batch)
     features, tokens, root, keep = _probe(model, drafter.feature_layers, context, advance_tokens)
-    drafter.advance(features[:-keep], tokens[:-keep])
-    vocab = model.get_output_embeddings().weight.shape[0]
-
-    def step(tree) -> None:
-        drafter.advance(features[-keep:], tokens[-keep:])  # EAGLE: its draft cache grows a little per call
-        propose(drafter, root, tree, temperature=0.0, generator=None, vocab_size=vocab)
-
-    def measure(tree) -> float:
-        if pack:  # packed as `pack_for_tree` packs it for this tree
-            pack_linears(heads, head_rows(heads, tree))
-        return _median_seconds(lambda: step(tree), repeats, model.device)
-
-    pack = isinstance(heads, EagleHead) and is_pretransposed(heads) and can_pack()
-    before = packed_rows(heads)
-    costs = [measure(tree) for tree in trees]
-    if pack:
-        pack_linears(heads, before)
-    return costs
-
-
-@torch.no_grad()
-def measure_batch_propose_cost(
-    model: nn.Module,
-    heads: nn.Module,
-    context: torch.Tensor,
-    batch: int,
-    trees: Sequence[TreeBuffers | DynamicTree],
-    repeats: int = 5,
-    advance_tokens: int = 2,
-) -> list[float]:
-    """`measure_propose_cost` for B rows drafting together (`decode.batch_draft`): median seconds of one
-    step's drafting for the whole batch (every row taking in `advance_tokens` positions, then every row's
-    tree grown), per tree, over B copies of `context` (1, T)."""
-    drafter = make_batch_drafter(heads, model, batch)
-    if drafter is None:
-        raise TypeError(f"{type(heads).__name__} has no batched drafter")
-    features, tokens, root, keep = _probe(model, drafter.feature_layers, context, advance_tokens)
-    drafter.advance([features[:-keep]] * batch, [tokens[:-keep]] * batch)
+    drafter.start([context[0]] * batch)
+    taps = bool(drafter.feature_layers)
+    drafter.advance([features[:-keep]] * batch if taps else None, [tokens[:-keep]] * batch)
     vocab = model.get_output_embeddings().weight.shape[0]
     roots = root.expand(batch)
 
     def step(tree) -> None:
-        drafter.advance([features[-keep:]] * batch, [tokens[-keep:]] * batch)
-        propose_batch(drafter, roots, tree, temperature=0.0, generator=None, vocab_size=vocab)
+        drafter.advance([features[-keep:]] * batch if taps else None, [tokens[-keep:]] * batch)  # caches grow
+        propose(drafter, roots, tree, temperature=0.0, generator=None, vocab_size=vocab)
 
-    return [_median_seconds(lambda tree=tree: step(tree), repeats, model.device) for tree in trees]
+    pack = isinstance(heads, nn.Module) and is_pretransposed(heads) and can_pack()
+    before = packed_rows(heads) if pack else None
+
+    def measure(tree) -> float:
+        if pack:
+            pack_linears(heads, head_rows(drafter.limits(), tree))
+        return _median_seconds(lambda: step(tree), repeats, model.device)
+
+    costs = [measure(tree) for tree in trees]
+    if pack:
+        pack_linears(heads, before)
+    return costs
 
 
 @dataclass
@@ -310,19 +288,20 @@ def _draft_model(
     prompts at a time: at T=0 every row decodes as it would alone, so the counts are the same), the drafting
     cost per tree shape (one row; not measured when `measure` is False), and the search grid (budgets below
     `max_size`)."""
-    eagle = isinstance(heads, EagleHead)
-    if eagle:
-        probe: TreeBuffers | DynamicTree = DynamicTree(depth=max_depth, top_k=max_top_k, total_tokens=48)
+    limits = make_drafter(heads, model, 1).limits()
+    if limits.dynamic:
+        depth = min(max_depth, limits.max_depth or max_depth)
+        probe: TreeBuffers | DynamicTree = DynamicTree(depth=depth, top_k=max_top_k, total_tokens=48)
     else:
-        probe = build_tree([(0,) * d + (r,) for d in range(heads.config.num_heads) for r in range(max_top_k)])
+        probe = build_tree([(0,) * d + (r,) for d in range(limits.max_depth) for r in range(max_top_k)])
     runs: list = []
     for start in range(0, len(prompts), max(probe_batch_size, 1)):
         chunk = [ids.reshape(-1) for ids in prompts[start : start + max(probe_batch_size, 1)]]
-        if len(chunk) == 1:
-            runs.append(generate(model, chunk[0], heads, max_new_tokens=max_new_tokens, tree=probe))
-        else:
-            ids, mask = left_padded(chunk, 0)
-            runs.append(generate_batch(model, ids, mask, heads, max_new_tokens=max_new_tokens, tree=probe))
+        ids, mask = left_padded(chunk, 0)
+        mask = mask if len(chunk) > 1 else None
+        runs.append(
+            generate(model, ids, heads, max_new_tokens=max_new_tokens, tree=probe, attention_mask=mask)
+        )
     acceptance = rank_acceptance(runs)
     context = prompts[0]
 
@@ -335,18 +314,18 @@ def _draft_model(
     budgets = range(1, max_size)
     if not measure:
         propose_cost = None
-    elif eagle:  # one measurement per (depth, top_k) shape, at the largest budget
+    elif not limits.block:  # level by level: one measurement per (depth, top_k) shape, at the largest budget
         by_shape = {(d, k): measure_propose(DynamicTree(d, k, budgets[-1])) for d in depths for k in top_ks}
 
         def propose_cost(n: int, d: int, k: int) -> float:
             return by_shape[(d, k)]
-    else:
-        medusa_seconds = measure_propose([(0,)])
+    else:  # a block drafter: one forward drafts every level, whatever the tree
+        block_seconds = measure_propose([(0,)])
 
         def propose_cost(n: int, d: int, k: int) -> float:
-            return medusa_seconds
+            return block_seconds
 
-    grid = {"dynamic": eagle, "budgets": budgets, "depths": depths, "top_ks": top_ks}
+    grid = {"dynamic": limits.dynamic, "budgets": budgets, "depths": depths, "top_ks": top_ks}
     return acceptance, propose_cost, measure_propose, grid
 
 
@@ -393,7 +372,8 @@ def calibrate_batches(
 ) -> BatchCalibration:
     """`calibrate` with the batch dimension: acceptance as there (the probe prompts decoded
     `probe_batch_size` at a time), C_T(B, n) measured per batch size (`measure_batch_verify_cost`), and the
-    drafting cost of B rows drafting together per tree shape (`measure_batch_propose_cost`). Its `choices` are
+    drafting cost of B rows drafting together per tree shape (`measure_propose_cost`, `batch=B`). Its
+    `choices` are
     `decode.sizing.batch_policy`'s pick per batch size; `adaptive()` makes a policy that also follows the
     acceptance of the batch it decodes."""
     if 1 not in verify_sizes:
@@ -411,7 +391,7 @@ def calibrate_batches(
         probe_batch_size=probe_batch_size,
     )
     costs = measure_batch_verify_cost(model, prompts[0], batch_sizes, verify_sizes, repeats)
-    # drafting cost per batch size and tree shape, the rows drafting together as `generate_batch` drafts them
+    # drafting cost per batch size and tree shape, the rows drafting together as `generate` drafts them
     budget = grid["budgets"][-1]
     if grid["dynamic"]:
         shapes = [(d, k) for d in grid["depths"] for k in grid["top_ks"]]
@@ -419,7 +399,7 @@ def calibrate_batches(
     else:
         shapes, trees = [(0, 0)], [build_tree([(0,)])]
     drafting = {
-        b: dict(zip(shapes, measure_batch_propose_cost(model, heads, prompts[0], b, trees, repeats)))
+        b: dict(zip(shapes, measure_propose_cost(model, heads, prompts[0], trees, repeats, batch=b)))
         for b in batch_sizes
     }
     return BatchCalibration(acceptance, costs, drafting, grid)

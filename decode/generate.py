@@ -1,49 +1,55 @@
-"""`generate`: speculative decoding with tree attention; `heads=None` is plain decoding through the same loop.
+"""`generate`: speculative decoding with tree attention, B >= 1 prompts at once; `heads=None` is plain
+decoding through the same loop.
 
-Each step: propose (draft tree below the target's last token) -> verify (one target forward over the
-tree) -> accept (greedy or lossless sampling) -> commit (keep the accepted path's KV, feed the drafter).
+Each step: propose (every row's draft tree below its last token, `decode.propose`) -> verify (one target
+forward over every row's tree, `decode.batch.verify_batch`) -> accept (greedy or lossless sampling, per row)
+-> commit (keep each row's accepted path's KV, `decode.batch.commit`; feed the drafter). A row that stops
+(EOS, max_new_tokens) leaves the batch and drafts no more. B = 1 is a batch of one.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
-from transformers import DynamicCache
 
 from decode.accept import accept_greedy, accept_sampling, accept_typical, sample, tally_ranks, target_probs
-from decode.batch import BatchOutput, generate_batch, left_padded, truncate_at_stop
+from decode.batch import commit, left_padded, prefill, truncate_at_stop, verify_batch
+from decode.drafters import make_drafter
+from decode.drafters.lm_head import float_dtype
 from decode.inputs import check_request, check_window, window_limit
-from decode.propose import drafter_limits, float_dtype, make_drafter, propose
+from decode.policy import as_policy
+from decode.propose import propose
 from decode.timing import synchronize
 from decode.tree import resolve_tree, verify_rows
-from decode.verify import compact_cache, verify
-from heads.eagle import EagleHead
 from heads.features import FeatureCapture
 from heads.io import check_head_matches_target
-from heads.medusa import MedusaHeads
+from heads.registry import kind_of
 
 
 @dataclass
-class GenerateOutput:
-    sequences: Tensor  # (1, prompt + new) token ids
-    new_tokens: int  # tokens generated (EOS included when hit)
-    tau: float  # mean tokens per verify pass, the target's bonus token INCLUDED
-    target_forwards: int  # target forward passes, prefill included
-    steps: int  # verify passes (target_forwards - 1)
-    # acceptance counts are taken before the EOS / max_new_tokens cut: they describe
-    # the drafter, tau the output
-    accepted_per_depth: list[int] = field(default_factory=list)  # steps whose depth-d draft was accepted
-    # [d-1][r]: steps accepting a rank-r node at depth d
-    accepted_ranks: list[list[int]] = field(default_factory=list)
-    # [d-1][r]: steps offering a rank-r child below the accepted depth-(d-1) node
-    offered_ranks: list[list[int]] = field(default_factory=list)
-    draft_nodes: int = 0  # draft tokens proposed over all steps (root excluded)
-    seconds: float = 0.0
-    stopped_at_eos: bool = False
+class RowOutput:
+    """One row's results (`GenerateOutput.row`; `.one` for B = 1): `GenerateOutput`'s fields, as scalars."""
+
+    sequence: Tensor  # (T + new,) this row's prompt (without padding) and reply
+    new_tokens: int
+    tau: float
+    steps: int
+    accepted_per_depth: list[int]
+    accepted_ranks: list[list[int]]
+    offered_ranks: list[list[int]]
+    draft_nodes: int
+    stopped_at_eos: bool
+    target_forwards: int
+    seconds: float
+
+    @property
+    def sequences(self) -> Tensor:
+        """(1, T + new): the row as a batch of one."""
+        return self.sequence[None]
 
     @property
     def tokens_per_second(self) -> float:
@@ -58,29 +64,115 @@ class GenerateOutput:
         return rates
 
 
-def _check_placement(heads: nn.Module, model: nn.Module) -> None:
-    """Heads must sit on the target's device, their floating-point weights in its dtype. Integer tensors (d2t,
-    t2d) and int8 layers (`decode.prepare.quantize_draft`, whose kept fp32 parts match an fp32 target) are
-    judged by the floating-point parameters that remain; heads with none are judged by device only."""
-    tensors = [*heads.parameters(), *heads.buffers()]
-    devices = {t.device for t in tensors}
-    floats = {p.dtype for p in heads.parameters() if p.is_floating_point()}
-    wrong_device = any(d != model.device for d in devices)
-    if wrong_device or (floats and floats != {model.dtype}):
-        where = "/".join(sorted(str(d) for d in devices)) or "cpu"
-        dtype = float_dtype(heads) if len(floats) <= 1 else "/".join(sorted(str(f) for f in floats))
-        raise ValueError(
-            f"heads are on {where} / {str(dtype).removeprefix('torch.')} but the target is on "
-            f"{model.device} / {str(model.dtype).removeprefix('torch.')}; load them with "
-            "load_heads(path, target=model, dtype=model.dtype, device=model.device)"
+@dataclass
+class GenerateOutput:
+    """What `generate` returns, per row. For one prompt, `out.one` gives the row's fields as scalars."""
+
+    sequences: Tensor  # (B, T + longest reply): the prompts as given, each reply after them, right-padded
+    prompt_lengths: list[int]  # per row: its prompt's tokens (padding excluded)
+    new_tokens: list[int]  # per row: tokens generated (EOS included when hit)
+    tau: list[float]  # per row: tokens emitted per verify pass, the target's bonus token INCLUDED
+    steps: list[int]  # per row: verify passes it took part in
+    # acceptance counts are taken before the EOS / max_new_tokens cut: they describe the drafter, tau the
+    # output
+    accepted_per_depth: list[list[int]]  # per row: [d - 1] steps whose depth-d draft was accepted
+    accepted_ranks: list[list[list[int]]]  # per row: [d - 1][r] steps accepting a rank-r node at depth d
+    offered_ranks: list[list[list[int]]]  # per row: [d - 1][r] steps offering a rank-r child below the
+    # accepted depth-(d - 1) node
+    draft_nodes: list[int]  # per row: draft tokens proposed over all steps (roots excluded)
+    stopped_at_eos: list[bool]  # per row
+    target_forwards: int  # batched target forward passes, the prefill included
+    seconds: float
+
+    @property
+    def replies(self) -> list[list[int]]:
+        width = self.sequences.shape[1] - max(self.new_tokens, default=0)
+        return [self.sequences[r, width : width + n].tolist() for r, n in enumerate(self.new_tokens)]
+
+    @property
+    def tokens_per_second(self) -> float:
+        return sum(self.new_tokens) / self.seconds if self.seconds > 0 else float("nan")
+
+    def row(self, b: int) -> RowOutput:
+        """Row b's results as scalars."""
+        width = self.sequences.shape[1] - max(self.new_tokens, default=0)
+        prompt = self.sequences[b, width - self.prompt_lengths[b] : width]
+        return RowOutput(
+            sequence=torch.cat([prompt, self.sequences[b, width : width + self.new_tokens[b]]]),
+            new_tokens=self.new_tokens[b],
+            tau=self.tau[b],
+            steps=self.steps[b],
+            accepted_per_depth=self.accepted_per_depth[b],
+            accepted_ranks=self.accepted_ranks[b],
+            offered_ranks=self.offered_ranks[b],
+            draft_nodes=self.draft_nodes[b],
+            stopped_at_eos=self.stopped_at_eos[b],
+            target_forwards=self.target_forwards,
+            seconds=self.seconds,
         )
+
+    @property
+    def one(self) -> RowOutput:
+        """The shortcut for one prompt: its row as scalars (ValueError for a batch of several)."""
+        if len(self.new_tokens) != 1:
+            raise ValueError(f"`one` is for a batch of one; this output has {len(self.new_tokens)} rows")
+        return self.row(0)
+
+
+def _check_heads(heads, model: nn.Module) -> None:
+    """Heads loaded from a checkpoint (a registered kind with head types) must fit the target and sit on its
+    device in its floating dtype. Integer tensors (d2t, t2d) and int8 layers (`decode.prepare.quantize_draft`,
+    whose kept fp32 parts match an fp32 target) are judged by the floating-point parameters that remain;
+    heads with none are judged by device only. Other draft sources are taken as they are."""
+    for source in heads if isinstance(heads, (list, tuple)) else [heads]:
+        if not isinstance(source, nn.Module) or not kind_of(source).head_types:
+            continue
+        check_head_matches_target(source.config, model, where=type(source).__name__)
+        tensors = [*source.parameters(), *source.buffers()]
+        devices = {t.device for t in tensors}
+        floats = {p.dtype for p in source.parameters() if p.is_floating_point()}
+        if any(d != model.device for d in devices) or (floats and floats != {model.dtype}):
+            where = "/".join(sorted(str(d) for d in devices)) or "cpu"
+            dtype = float_dtype(source) if len(floats) <= 1 else "/".join(sorted(str(f) for f in floats))
+            raise ValueError(
+                f"heads are on {where} / {str(dtype).removeprefix('torch.')} but the target is on "
+                f"{model.device} / {str(model.dtype).removeprefix('torch.')}; load them with "
+                "load_heads(path, target=model, dtype=model.dtype, device=model.device)"
+            )
+
+
+def _padded(path: Tensor, width: int) -> Tensor:
+    """`path` (P,) cut or padded with -1 to `width` entries (on the device: nothing read back)."""
+    if path.numel() >= width:
+        return path[:width]
+    return torch.cat([path, path.new_full((width - path.numel(),), -1)])
+
+
+class _Rows:
+    """Per-row statistics of a decode."""
+
+    def __init__(self, batch: int, roots: list[Tensor]) -> None:
+        self.generated = [[int(root)] for root in roots]
+        self.steps, self.drafted = [0] * batch, [0] * batch
+        self.per_depth: list[list[int]] = [[] for _ in range(batch)]
+        self.ranks: list[list[list[int]]] = [[] for _ in range(batch)]
+        self.offered: list[list[list[int]]] = [[] for _ in range(batch)]
+
+    def record(self, r: int, keep: list[int], size: int, parents, ranks) -> None:
+        self.steps[r] += 1
+        self.drafted[r] += size - 1
+        for level in range(1, len(keep)):
+            self.per_depth[r] += [0] * (level - len(self.per_depth[r]))
+            self.per_depth[r][level - 1] += 1
+        if parents is not None:
+            tally_ranks(parents, ranks, keep, self.ranks[r], self.offered[r])
 
 
 @torch.no_grad()
 def generate(
     model: nn.Module,
     input_ids: Tensor,
-    heads: nn.Module | None = None,
+    heads=None,
     *,
     max_new_tokens: int,
     temperature: float = 0.0,
@@ -91,41 +183,43 @@ def generate(
     eos_token_id: int | list[int] | None = None,
     acceptance: str = "lossless",
     attention_mask: Tensor | None = None,
-) -> GenerateOutput | BatchOutput:
-    """Decode from a frozen target, drafting with `heads` (Medusa or EAGLE); output equals the target's own.
+    pad_token_id: int = 0,
+) -> GenerateOutput:
+    """Decode from a frozen target, drafting with `heads`; the output equals the target's own.
 
     Args:
         model: HF causal LM (the target).
-        input_ids: (1, T) or (T,) prompt ids, T >= 1; or (B, T) left-padded prompts with their
-            `attention_mask`: then `decode.batch.generate_batch` decodes them together and returns a
-            BatchOutput (per-row replies and statistics).
-        heads: MedusaHeads, EagleHead or a `decode.propose.Drafter`; None is plain decoding (the baseline and
-            the test oracle).
-        max_new_tokens: number of tokens to generate at most (>= 1).
+        input_ids: (T,) or (B, T) prompt ids, T >= 1; left-padded when B > 1 with an `attention_mask`.
+        heads: a draft source: a head module (MedusaHeads, EagleHead), an `Ngram` spec, a `DraftModel`, a
+            `Composite`, any registered kind (`heads.registry`), a `decode.drafter.Drafter` instance for the
+            batch, or a list of B one-row sources; None is plain decoding (the baseline and the test oracle).
+        max_new_tokens: number of tokens to generate at most per row (>= 1).
         temperature: 0 is greedy; > 0 samples from the target distribution.
         top_p: nucleus filter of the target distribution (sampling only).
         top_k: top-k filter of the target distribution (sampling only; 0 = off).
         tree: static tree (rank paths, a name in DEFAULT_TREES, or TreeBuffers) or a DynamicTree; None = the
-            default for the target's device (`decode.tree.default_tree`): on CUDA the GPU sizes of the papers,
-            GPU_EAGLE_TREE (EAGLE-2's depth 6, top_k 10, 60 tokens) for EAGLE heads and
-            DEFAULT_TREES[GPU_MEDUSA_TREE] for Medusa; elsewhere the sizes measured on a 2-core CPU,
-            DEFAULT_EAGLE_TREE (depth 5, top_k 4, 12 tokens) and DEFAULT_TREES[DEFAULT_MEDUSA_TREE].
+            default for the target's device and the drafter (`decode.tree.default_tree`): on CUDA the GPU
+            sizes of the papers (EAGLE-2's depth 6, top_k 10, 60 tokens for drafters that grow dynamic trees,
+            DEFAULT_TREES[GPU_MEDUSA_TREE] for Medusa); elsewhere the sizes measured on a 2-core CPU,
+            DEFAULT_EAGLE_TREE (depth 5, top_k 4, 12 tokens) and DEFAULT_TREES[DEFAULT_MEDUSA_TREE]. Or a
+            per-step policy (`decode.policy.TreePolicy`, or a callable `rows -> tree or None`), asked every
+            step with the rows still decoding: None is a plain step.
         seed: seeds the sampling and draft draws.
         eos_token_id: stop token(s); None = the model's generation_config.
         acceptance: "lossless" (default) or "typical" (Medusa typical acceptance; LOSSY, sampling only).
-        attention_mask: (B, T), 1 on prompt tokens (left padding); given, or B > 1, or a per-step policy as
-            `tree` (`decode.batch.generate_batch`), decodes as a batch (B may be 1).
+        attention_mask: (B, T), 1 on prompt tokens (left padding); None = no padding.
+        pad_token_id: what pads the replies in `sequences`.
     Returns:
-        GenerateOutput with sequences and stats (tau counts the bonus token).
+        GenerateOutput, per row (`.one` for one prompt).
     Raises:
         TypeError, ValueError: bad arguments, refused before any work (`decode.inputs`: id dtypes and range,
             a mask that is not 0/1 or not left-padded, non-finite or out-of-range sampling parameters, a
             request outgrowing a sliding window); or heads that do not fit the target (sizes, tapped layers,
             or a device or floating dtype other than the target's; the message names both).
 
-    A decoding step queues its device work (drafting, the tree mask and positions, verification, acceptance,
-    cache compaction) without waiting for it, and reads back one small tensor: the accepted path and the
-    tokens it emits (tests/decode/test_host_syncs.py counts the host round trips per step).
+    A decoding step queues its device work (drafting, the tree masks and positions, verification, acceptance,
+    cache compaction) without waiting for it, and reads back one small tensor for every row: the accepted
+    paths and the tokens they emit (tests/decode/test_host_syncs.py counts the host round trips per step).
     """
     request = check_request(
         model,
@@ -139,112 +233,204 @@ def generate(
         seed=seed,
     )
     input_ids, max_new_tokens, temperature = request.input_ids, request.max_new_tokens, request.temperature
-    top_p, top_k, eos = request.top_p, request.top_k, request.eos
+    top_p, top_k, eos, attention_mask = request.top_p, request.top_k, request.eos, request.attention_mask
     if acceptance not in ("lossless", "typical"):
         raise ValueError(f"acceptance must be 'lossless' or 'typical' (lossy), got {acceptance!r}")
     if acceptance == "typical" and temperature == 0:
         raise ValueError("typical acceptance applies to sampling (temperature > 0); greedy is exact already")
-    if isinstance(heads, (MedusaHeads, EagleHead)):  # before any work with them (a Drafter is taken as it is)
-        check_head_matches_target(heads.config, model, where=type(heads).__name__)
-        _check_placement(heads, model)
-    if input_ids.shape[0] != 1 or attention_mask is not None or callable(tree):
-        if acceptance != "lossless":
-            raise NotImplementedError("typical acceptance decodes one sequence at a time")
-        return generate_batch(
-            model,
-            input_ids,
-            request.attention_mask,
-            heads,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            tree=tree,
-            seed=seed,
-            eos_token_id=eos_token_id,
-        )
-    drafter = make_drafter(heads, model) if heads is not None else None
-    device = model.device
-    tree_spec = None
-    if drafter is not None:
-        max_depth, dynamic = drafter_limits(heads)
-        tree_spec = resolve_tree(tree, max_depth=max_depth, dynamic=dynamic, device=device)
-        # the last step verifies its tree behind the prompt and all but the newest of max_new_tokens - 1
-        # tokens (plain decoding passes no mask of its own: the target applies its window itself)
-        columns = input_ids.shape[1] + max_new_tokens - 2 + verify_rows(tree_spec)
-        check_window(window_limit(model), columns, "this prompt and max_new_tokens")
-    generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+    if heads is not None:
+        _check_heads(heads, model)  # before any work with them
+    batch = input_ids.shape[0]
+    drafter = make_drafter(heads, model, batch) if heads is not None else None
+    policy = as_policy(tree)
+    resolved: dict = {}  # tree spec -> its resolved form (a policy hands out a few specs, again and again)
+
+    def spec_for(rows_alive: int):
+        """The tree of this step: `tree` itself, or what the policy picks (None: plain)."""
+        if drafter is None:
+            return None
+        wanted = policy.tree(rows_alive) if policy is not None else tree
+        if policy is not None and wanted is None:
+            return None
+        key = repr(wanted)
+        if key not in resolved:
+            limits = drafter.limits()
+            resolved[key] = resolve_tree(
+                wanted, max_depth=limits.max_depth, dynamic=limits.dynamic, device=model.device
+            )
+        return resolved[key]
+
+    # a sliding-window target: refused before any work when the tree is known (the last step verifies it
+    # behind the prompt and all but the newest of max_new_tokens - 1 tokens), else step by step
+    window = window_limit(model)
+    # plain decoding of one unpadded sequence passes no mask of its own: the target applies its window itself
+    if drafter is None and policy is None and batch == 1 and attention_mask is None:
+        window = None
+    if policy is not None:
+        check_window(window, input_ids.shape[1], "the prompt")
+    else:
+        fixed = spec_for(batch)
+        columns = input_ids.shape[1] + max_new_tokens - 2 + (verify_rows(fixed) if fixed is not None else 1)
+        check_window(window, columns, "this prompt and max_new_tokens")
+    generator = torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None
     vocab_size = model.get_output_embeddings().weight.shape[0]
 
-    synchronize(device)
+    # each row's prompt length, on the host (the mask is the caller's: read before the clock starts)
+    prompt_lengths = (
+        [input_ids.shape[1]] * batch if attention_mask is None else attention_mask.sum(-1).tolist()
+    )
+    synchronize(model.device)
     start = time.perf_counter()
-    prompt = input_ids.to(device)
-    cache = DynamicCache(config=model.config)
-    capture = FeatureCapture(model, drafter.feature_layers) if drafter is not None else None
+    layers = drafter.feature_layers if drafter is not None else ()
+    capture = FeatureCapture(model, layers) if layers else None
     with capture if capture is not None else contextlib.nullcontext():
-        out = model(input_ids=prompt, cache=cache, use_cache=True, logits_to_keep=1)
-        last = out.logits[0, -1]
+        state, last, features = prefill(model, input_ids, attention_mask, capture)
+        forwards = 1
         if temperature == 0:
-            root = last.argmax().view(1)  # (1,) on the device
+            roots = list(last.argmax(-1).view(batch, 1))
         else:
-            root = sample(target_probs(last, temperature, top_p, top_k), generator).view(1)
-        generated = [int(root)]
-        past = prompt.shape[1]
-        if drafter is not None and not (generated[0] in eos or max_new_tokens == 1):  # else no step follows
-            drafter.advance(capture.features()[0], torch.cat([prompt[0, 1:], root]))
-        steps, per_depth, per_rank, offered, drafted = 0, [], [], [], 0
-        while not (eos.intersection(generated[-1:]) or len(generated) >= max_new_tokens):
-            draft = propose(
-                drafter, root, tree_spec, temperature=temperature, generator=generator, vocab_size=vocab_size
-            )
-            logits, features = verify(model, cache, draft, past, capture)
-            if temperature == 0:
-                path, bonus = accept_greedy(draft, logits)
-            elif acceptance == "typical":
-                path, bonus = accept_typical(draft, logits, temperature, top_p, top_k, generator)
-            else:
-                path, bonus = accept_sampling(draft, logits, temperature, top_p, top_k, generator)
-            # The step's one device-to-host transfer: the accepted path, the bonus token, and the tree's
-            # tokens, parents and ranks (for the statistics). Everything before it stayed on the device.
-            host = torch.cat([path, bonus.view(1), draft.tokens, draft.parents, draft.ranks]).tolist()
-            size, nodes = path.numel(), len(draft)
-            keep = [node for node in host[:size] if node >= 0]
-            tokens = host[size + 1 : size + 1 + nodes]
-            parents, ranks = host[size + 1 + nodes : size + 1 + 2 * nodes], host[size + 1 + 2 * nodes :]
-            steps += 1
-            drafted += nodes - 1
-            tally_ranks(parents, ranks, keep, per_rank, offered)
-            for depth in range(1, len(keep)):
-                per_depth += [0] * (depth - len(per_depth))
-                per_depth[depth - 1] += 1
-            kept = path[: len(keep)]  # the accepted nodes as a device index: no upload
-            compact_cache(cache, past, keep, kept)
-            past += len(keep)
-            new = [tokens[i] for i in keep[1:]] + [host[size]]
-            generated += new
-            root = bonus.view(1)
-            # an EOS inside the path ends it too
-            if eos.intersection(new) or len(generated) >= max_new_tokens:
-                break  # the drafter needs no more input (nor the tokens after an EOS)
+            roots = [
+                sample(target_probs(last[r], temperature, top_p, top_k), generator).view(1)
+                for r in range(batch)
+            ]
+        stats = _Rows(batch, roots)
+        rows = [r for r in range(batch) if not (stats.generated[r][0] in eos or max_new_tokens == 1)]
+        prompt, width = input_ids.to(model.device), input_ids.shape[1]
+        # what the drafter has yet to take in, per row: (features, next tokens) of its committed positions. It
+        # takes them in just before it drafts, so plain steps chosen by a policy cost no draft forward
+        pending: dict[int, list[tuple[Tensor | None, Tensor]]] = {r: [] for r in rows}
+        if drafter is not None:  # each row's prompt: its last `prompt_lengths[r]` columns (left padding)
+            drafter.start([prompt[r, width - n :] for r, n in enumerate(prompt_lengths)])
+            for r in rows:
+                start_column = width - prompt_lengths[r]
+                feats = features[r, start_column:] if capture is not None else None
+                pending[r].append((feats, torch.cat([prompt[r, start_column + 1 :], roots[r]])))
+        if rows and len(rows) < batch:
+            state.select(rows)
             if drafter is not None:
-                drafter.advance(features.index_select(0, kept), torch.cat([draft.tokens[kept[1:]], root]))
-    generated = truncate_at_stop(generated, eos, max_new_tokens)
-    synchronize(device)
+                drafter.select(rows)
+
+        def catch_up() -> None:
+            """The drafter takes in every row's pending positions, in one call."""
+            tokens = [torch.cat([t for _, t in pending[r]]) for r in rows]
+            feats = [torch.cat([f for f, _ in pending[r]]) for r in rows] if capture is not None else None
+            drafter.advance(feats, tokens)
+            for r in rows:
+                pending[r].clear()
+
+        drafted_last = False  # whether the last step drafted (the drafter then lags one step behind, no more)
+        while rows:
+            spec = spec_for(len(rows))  # None: a plain step (the drafter's pending positions wait)
+            step_start = time.perf_counter()  # after the policy's pick: its search is not a step's cost
+            if spec is not None:
+                # a drafter catching up on the prompt or on plain steps: a one-off cost, left out of the
+                # step's time (waited for on both sides, so a GPU's queued work does not leak into it)
+                one_off = policy is not None and not drafted_last
+                if one_off:
+                    synchronize(model.device)
+                catch_up()
+                if one_off:
+                    synchronize(model.device)
+                    step_start = time.perf_counter()
+            drafted_last = spec is not None
+            trees = propose(
+                drafter if spec is not None else None,
+                torch.cat([roots[r] for r in rows]),
+                spec,
+                temperature=temperature,
+                generator=generator,
+                vocab_size=vocab_size,
+            )
+            size = len(trees[0])
+            check_window(window, state.columns + size, f"a step verifying {size} tokens")
+            tokens = torch.stack([t.tokens for t in trees])  # (B, N)
+            logits, step_features = verify_batch(
+                model,
+                state,
+                tokens,
+                torch.stack([t.depths for t in trees]),
+                torch.stack([t.ancestors for t in trees]),
+                capture,
+            )
+            forwards += 1
+            if temperature == 0:
+                accepted = [accept_greedy(draft, logits[i]) for i, draft in enumerate(trees)]
+            elif acceptance == "typical":
+                accepted = [
+                    accept_typical(draft, logits[i], temperature, top_p, top_k, generator)
+                    for i, draft in enumerate(trees)
+                ]
+            else:
+                accepted = [
+                    accept_sampling(draft, logits[i], temperature, top_p, top_k, generator)
+                    for i, draft in enumerate(trees)
+                ]
+            depth = min(max(path.numel() for path, _ in accepted), size)  # a path is at most the tree
+            paths = torch.stack([_padded(path, depth) for path, _ in accepted])  # (B, P), -1 padded
+            bonuses = torch.stack([bonus.reshape(()) for _, bonus in accepted])  # (B,)
+            parts = [paths.flatten(), bonuses, tokens.flatten()]
+            if size > 1:  # the trees' shapes, for the statistics
+                parts += [torch.stack([t.parents for t in trees]).flatten()]
+                parts += [torch.stack([t.ranks for t in trees]).flatten()]
+            # the step's one read of the device, for every row: paths, bonus tokens, tree tokens (and shapes)
+            host = torch.cat([part.to(paths.device) for part in parts]).tolist()
+            count = len(rows)
+            offset = count * depth + count
+            keeps, alive = [], []
+            step_accepted: list[list[int]] = []  # this step's acceptance per (depth, rank), all rows
+            step_offered: list[list[int]] = []
+            for i, r in enumerate(rows):
+                keep = [node for node in host[i * depth : (i + 1) * depth] if node >= 0]
+                row_tokens = host[offset + i * size : offset + (i + 1) * size]
+                new = [row_tokens[node] for node in keep[1:]] + [host[count * depth + i]]
+                stats.generated[r] += new
+                parents = ranks = None
+                if size > 1:
+                    shapes = offset + count * size
+                    parents = host[shapes + i * size : shapes + (i + 1) * size]
+                    ranks = host[shapes + (count + i) * size : shapes + (count + i + 1) * size]
+                    if policy is not None:
+                        tally_ranks(parents, ranks, keep, step_accepted, step_offered)
+                stats.record(r, keep, size, parents, ranks)
+                keeps.append(keep)
+                roots[r] = bonuses[i : i + 1]
+                if not (eos.intersection(new) or len(stats.generated[r]) >= max_new_tokens):
+                    alive.append(i)
+                    if drafter is not None:
+                        kept = paths[i, : len(keep)]  # the accepted nodes as a device index: no upload
+                        feats = step_features[i].index_select(0, kept) if capture is not None else None
+                        pending[r].append((feats, torch.cat([tokens[i].index_select(0, kept[1:]), roots[r]])))
+            commit(state, keeps, size, paths)
+            if policy is not None and size > 1:
+                policy.observe(step_accepted, step_offered)
+            if alive and len(alive) < len(rows):  # (when none is left, the loop ends: nothing to select)
+                state.select(alive)
+                if drafter is not None:
+                    drafter.select(alive)
+            rows = [rows[i] for i in alive]
+            if policy is not None:  # the step's host read above synchronized: no extra wait here
+                policy.record_time(time.perf_counter() - step_start)
+    synchronize(model.device)
     seconds = time.perf_counter() - start
-    emitted_by_steps = len(generated) - 1
-    new_ids = torch.tensor([generated], dtype=input_ids.dtype, device=input_ids.device)
+    replies = [truncate_at_stop(g, eos, max_new_tokens) for g in stats.generated]
+    width = max(len(reply) for reply in replies)
+    sequences = torch.full((batch, input_ids.shape[1] + width), pad_token_id, dtype=input_ids.dtype)
+    sequences[:, : input_ids.shape[1]] = input_ids.cpu()
+    for r, reply in enumerate(replies):
+        sequences[r, input_ids.shape[1] : input_ids.shape[1] + len(reply)] = torch.tensor(reply)
     return GenerateOutput(
-        sequences=torch.cat([input_ids, new_ids], dim=1),
-        new_tokens=len(generated),
-        tau=emitted_by_steps / steps if steps else 1.0,
-        target_forwards=steps + 1,
-        steps=steps,
-        accepted_per_depth=per_depth,
-        accepted_ranks=per_rank,
-        offered_ranks=offered,
-        draft_nodes=drafted,
+        sequences=sequences.to(input_ids.device),
+        prompt_lengths=prompt_lengths,
+        new_tokens=[len(reply) for reply in replies],
+        tau=[(len(reply) - 1) / st if st else 1.0 for reply, st in zip(replies, stats.steps)],
+        steps=stats.steps,
+        accepted_per_depth=stats.per_depth,
+        accepted_ranks=stats.ranks,
+        offered_ranks=stats.offered,
+        draft_nodes=stats.drafted,
+        stopped_at_eos=[bool(reply) and reply[-1] in eos for reply in replies],
+        target_forwards=forwards,
         seconds=seconds,
-        stopped_at_eos=generated[-1] in eos,
     )
 
 
@@ -260,30 +446,32 @@ class PromptResult:
 def decode_prompts(
     model: nn.Module,
     prompts: list[Tensor],
-    heads: nn.Module | None,
+    heads,
     *,
     max_new_tokens: int,
     batch_size: int = 1,
     pad_token_id: int = 0,
     **kwargs,
 ) -> list[PromptResult]:
-    """Decode each 1-D prompt of `prompts`, `batch_size` at a time: one `generate` per prompt when 1, else
-    left-padded batches through `decode.batch` (every row decodes as it would alone: at T=0 the same tokens
-    and the same steps, except under a `DynamicTree.min_prob` bound, where a row may take fewer steps). For
-    loops over prompt sets that want acceptance, not per-prompt timing (simulated tau, the ablation's tau per
-    category). `kwargs` go to `generate` (tree, temperature, seed, eos_token_id).
+    """Decode each 1-D prompt of `prompts`, `batch_size` at a time (left-padded batches: every row decodes as
+    it would alone, at T=0 the same tokens and the same steps, except under a `DynamicTree.min_prob` bound,
+    where a row may take fewer steps). For loops over prompt sets that want acceptance, not per-prompt timing
+    (simulated tau, the ablation's tau per category). `kwargs` go to `generate` (tree, temperature, seed,
+    eos_token_id).
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     results = []
     for start in range(0, len(prompts), batch_size):
         chunk = [p.reshape(-1) for p in prompts[start : start + batch_size]]
-        if len(chunk) == 1:
-            out = generate(model, chunk[0], heads, max_new_tokens=max_new_tokens, **kwargs)
-            reply = out.sequences[0, chunk[0].numel() :].tolist()
-            results.append(PromptResult(reply, out.steps, out.tau))
-            continue
         ids, mask = left_padded(chunk, pad_token_id)
-        out = generate(model, ids, heads, max_new_tokens=max_new_tokens, attention_mask=mask, **kwargs)
+        out = generate(
+            model,
+            ids,
+            heads,
+            max_new_tokens=max_new_tokens,
+            attention_mask=mask if len(chunk) > 1 else None,
+            **kwargs,
+        )
         results += [PromptResult(r, s, t) for r, s, t in zip(out.replies, out.steps, out.tau)]
     return results

@@ -1,6 +1,5 @@
-"""The decoding API's edge: every argument of `decode.generate` / `decode.generate_batch` is checked here
-once, before any work, and a bad one is refused with a message that names it (and the row, for prompts and
-masks).
+"""The decoding API's edge: every argument of `decode.generate` is checked here once, before any work, and a
+bad one is refused with a message that names it (and the row, for prompts and masks).
 
 What is refused, and why it would otherwise go wrong: ids that are not integers or lie outside the target's
 vocabulary (an embedding error deep inside, or a wrong row silently read); an attention mask that is not 0/1,

@@ -7,6 +7,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from decode.drafter import Drafter, DraftLimits
+from decode.drafters import make_drafter
+from decode.drafters.lm_head import DRAFT_LM_HEAD
 from decode.fused import forget_fused_step
 from decode.layout import (
     can_int8,
@@ -19,11 +22,9 @@ from decode.layout import (
     pack_linears,
     pretranspose_linears,
 )
-from decode.propose import DRAFT_LM_HEAD, drafter_limits
 from decode.tree import DynamicTree, resolve_tree, verify_rows
-from heads.eagle import EagleHead
 from heads.io import quantized_layers
-from heads.medusa import MedusaHeads
+from heads.registry import kind_of
 
 
 def prepare(
@@ -76,10 +77,12 @@ def prepare(
         onednn = fast_cpu and can_onednn()
     if pretranspose is None:
         pretranspose = fast_cpu and can_pack() and not onednn
-    head_module = isinstance(heads, nn.Module)  # a custom `decode.propose.Drafter` is left as it is
+    head_module = _is_head(heads)  # other draft sources (a custom `Drafter`, n-gram ...) are left as they are
     if head_module and int8_draft and not is_int8_draft(heads):
         quantize_draft(heads, model)
-    for module in (model, heads) if head_module else (model,):
+    # the target, and the models a draft source drafts with (a separate draft model), laid out alike
+    models = [model, *_draft_models(heads)]
+    for module in [*models, heads] if head_module else models:
         if onednn:
             # a head: the layers int8 left in fp32 (EAGLE's fc), or all of an fp32 one
             onednn_linears(module, force=refresh)
@@ -88,9 +91,8 @@ def prepare(
         elif onednn is False:
             drop_onednn(module)
     if pretranspose:
-        pretranspose_linears(model, force=refresh)
-        if head_module:
-            pretranspose_linears(heads, force=refresh)
+        for module in [*models, heads] if head_module else models:
+            pretranspose_linears(module, force=refresh)
     pack_for_tree(model, heads, tree, force=refresh)
     if head_module and refresh:
         forget_fused_step(heads)  # its stacked draft weights are taken again at the next draft
@@ -105,7 +107,8 @@ def quantize_draft(heads: nn.Module, target: nn.Module | None = None) -> nn.Modu
     channels one int8 activation scale per tensor cannot hold (with `fc` in int8, the default target's EAGLE-3
     head lost much of its tau; measured: docs/cpu.md, int8 drafts). `fc` runs once per step, on the accepted
     tokens only. Heads that project with the target's lm_head (Medusa `share_lm_head`, EAGLE-1) get an int8
-    copy of it that only their drafts use (`decode.propose.draft_lm_head`); the target itself is not touched.
+    copy of it that only their drafts use (`decode.drafters.lm_head.draft_lm_head`); the target itself is not
+    touched.
     Inference only: do not train or save quantized heads (their Linear weights are no longer parameters).
 
     Args:
@@ -126,10 +129,7 @@ def quantize_draft(heads: nn.Module, target: nn.Module | None = None) -> nn.Modu
             "int8 drafts are for fp32 heads on the CPU; these heads hold "
             f"{sorted({f'{p.dtype} on {p.device}' for p in floats})}"
         )
-    shares = (isinstance(heads, MedusaHeads) and heads.config.share_lm_head) or (
-        isinstance(heads, EagleHead) and heads.head_type == "eagle1"
-    )
-    if shares:
+    if heads.shares_target_lm_head:
         if target is None:
             raise ValueError(f"these {type(heads).__name__} project with the target's lm_head: pass target=")
         shared = target.get_output_embeddings()
@@ -139,7 +139,7 @@ def quantize_draft(heads: nn.Module, target: nn.Module | None = None) -> nn.Modu
         holder = nn.Sequential(plain)
         int8_linears(holder)
         object.__setattr__(heads, DRAFT_LM_HEAD, holder[0])  # not a submodule: stays out of state_dict()
-    int8_linears(heads, skip=("fc",) if isinstance(heads, EagleHead) else ())
+    int8_linears(heads, skip=heads.int8_skip)
     return heads
 
 
@@ -164,15 +164,28 @@ def pack_for_tree(target: nn.Module, heads: nn.Module | None, tree, *, force: bo
     if heads is None:
         pack_linears(target, None)
         return
-    max_depth, dynamic = drafter_limits(heads)
-    tree = resolve_tree(tree, max_depth=max_depth, dynamic=dynamic, device=target.device)
+    limits = make_drafter(heads, target, 1).limits()
+    tree = resolve_tree(tree, max_depth=limits.max_depth, dynamic=limits.dynamic, device=target.device)
     pack_linears(target, verify_rows(tree), force=force)
-    if isinstance(heads, nn.Module):
-        pack_linears(heads, head_rows(heads, tree), force=force)
+    if _is_head(heads):
+        pack_linears(heads, head_rows(limits, tree), force=force)
 
 
-def head_rows(heads: nn.Module, tree) -> int | None:
-    """The row count a draft head is packed for with this (resolved) tree: an EAGLE head's `top_k` on a
-    dynamic tree (every level expands exactly top_k nodes), else None (row counts vary or are 1)."""
-    dynamic = isinstance(heads, EagleHead) and isinstance(tree, DynamicTree) and tree.top_k >= 2
+def _draft_models(source) -> list[nn.Module]:
+    """The models a draft source drafts with, from its kind's `models` part (none for heads and drafters)."""
+    if source is None or isinstance(source, Drafter):
+        return []
+    kind = kind_of(source)
+    return kind.part("models")(source) if kind.models else []
+
+
+def _is_head(source) -> bool:
+    """A head module of a registered checkpoint kind (what `prepare` lays out and quantizes)."""
+    return isinstance(source, nn.Module) and bool(kind_of(source).head_types)
+
+
+def head_rows(limits: DraftLimits, tree) -> int | None:
+    """The row count a draft head is packed for with this (resolved) tree: on a dynamic tree a drafter that
+    drafts level by level expands exactly `top_k` nodes per level, else None (row counts vary or are 1)."""
+    dynamic = not limits.block and isinstance(tree, DynamicTree) and tree.top_k >= 2
     return tree.top_k if dynamic else None

@@ -25,14 +25,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from decode.batch import BatchOutput
+from decode.policy import TreePolicy
 from decode.tree import DynamicTree
 
 if TYPE_CHECKING:
-    from decode.generate import GenerateOutput
+    from decode.generate import GenerateOutput, RowOutput
 
 
-def rank_acceptance(outputs: Sequence[GenerateOutput | BatchOutput]) -> list[list[float]]:
+def rank_acceptance(outputs: Sequence[GenerateOutput | RowOutput]) -> list[list[float]]:
     """a[d-1][r]: P(the target takes the rank-r child at depth d | the parent at depth d - 1 was accepted and
     offered a rank-r child), pooled over all runs (a batched run counts each of its rows): `accepted_ranks` /
     `offered_ranks`. Ranks or depths that the measured trees never offered have no estimate and are absent (a
@@ -40,11 +40,11 @@ def rank_acceptance(outputs: Sequence[GenerateOutput | BatchOutput]) -> list[lis
     accepted: list[list[int]] = []
     offered: list[list[int]] = []
     tables = []
-    for out in outputs:
-        if isinstance(out, BatchOutput):
-            tables += zip(out.accepted_ranks, out.offered_ranks)
-        else:
-            tables.append((out.accepted_ranks, out.offered_ranks))
+    for out in outputs:  # a run's rows (`GenerateOutput`), or one row (`RowOutput`)
+        rows = hasattr(out, "row")
+        tables += (
+            zip(out.accepted_ranks, out.offered_ranks) if rows else [(out.accepted_ranks, out.offered_ranks)]
+        )
     for row_accepted, row_offered in tables:
         for table, counts in ((accepted, row_accepted), (offered, row_offered)):
             for depth, ranks in enumerate(counts):
@@ -245,7 +245,7 @@ def batch_policy(
     """Per measured batch size B, the tree that maximises the batch's expected tokens per second, or plain
     decoding where none beats it.
 
-    With B rows drafting their trees (together, `decode.batch_draft`) and one target forward over all B trees:
+    With B rows drafting their trees (together) and one target forward over all B trees:
     tokens/s = B x E[tokens per step] / (C_T(B, n + 1) + C_P(B, tree)), against B / C_T(B, 1) for plain
     decoding. As B grows the target pass turns from memory-bound to compute-bound, C_T(B, n + 1) grows with
     B x n and the best tree shrinks, down to none.
@@ -309,13 +309,13 @@ def policy_tree(choices: dict[int, BatchChoice], batch: int):
     return choices[measured_batch(list(choices), batch)].tree
 
 
-class AdaptivePolicy:
-    """A batch policy (`generate_batch(..., tree=policy)`) that follows the acceptance of its own batch.
+class AdaptivePolicy(TreePolicy):
+    """A batch policy (`generate(..., tree=policy)`) that follows the acceptance of its own batch.
 
     `batch_policy` fixes one tree per batch size from the acceptance measured on calibration prompts; a batch
     whose prompts the draft predicts worse (or better) gets the wrong tree, and where speculation loses for
     that batch it still speculates. This policy starts from the calibrated rates and re-estimates them from
-    what its own batch accepts: after each speculative step `generate_batch` calls `observe` with the step's
+    what its own batch accepts: after each speculative step `decode.generate` calls `observe` with the step's
     counts per (depth, rank) summed over its rows, and the policy re-picks the tree for the rows still
     decoding (or none) every `refit_every` observed steps, with the same cost tables.
 
@@ -328,7 +328,8 @@ class AdaptivePolicy:
 
     It also follows what its steps cost. Calibration measured the costs on a few prompts at a few batch
     sizes, at one moment of a shared machine; the rows of a batch fall between the measured sizes, and the
-    machine's speed drifts. `generate_batch` tells the policy each step's wall time (`record_time`: from after
+    machine's speed drifts. `decode.generate` tells the policy each step's wall time (`record_time`: from
+    after
     the policy's pick to the end of the step's bookkeeping, its one host read included; a drafter catching
     up on the prompt or on plain steps is a one-off cost, waited for and left out). The policy keeps two
     factors, measured over predicted seconds, one for plain and one for speculative steps: each
@@ -428,7 +429,7 @@ class AdaptivePolicy:
         return (self.time_prior + ratios) / (self.time_prior + steps)
 
     def record_time(self, seconds: float) -> None:
-        """The wall time of the step just taken with what the policy last handed out (`generate_batch` calls
+        """The wall time of the step just taken with what the policy last handed out (`decode.generate` calls
         it after every step)."""
         handed, self.handed = self.handed, None
         if self.time_prior is None or handed is None or not (seconds > 0 and handed[1] > 0):
@@ -458,7 +459,7 @@ class AdaptivePolicy:
             )
         return self.choices[batch]
 
-    def __call__(self, rows: int):
+    def tree(self, rows: int):
         picked, best = self._picked(rows)
         tree = picked.tree
         if tree is None:

@@ -10,17 +10,12 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
+from heads import registry
 from heads.eagle import check_draft_vocab
 from heads.io import CONFIG_NAME, WEIGHTS_NAME
 
-FORMATS = ("sglang", "speculators", "eagle1", "medusa", "medusa-vllm")
-HEAD_TYPE = {
-    "sglang": "eagle3",
-    "speculators": "eagle3",
-    "eagle1": "eagle1",
-    "medusa": "medusa",
-    "medusa-vllm": "medusa",
-}
+HEAD_TYPE = registry.formats()  # format -> the head type it holds (each kind lists its formats)
+FORMATS = tuple(HEAD_TYPE)  # sglang, speculators, eagle1, medusa, medusa-vllm
 MEDUSA_WEIGHTS_NAME = "medusa_lm_head.safetensors"
 FILES = {fmt: (CONFIG_NAME, MEDUSA_WEIGHTS_NAME if fmt == "medusa" else WEIGHTS_NAME) for fmt in FORMATS}
 # the tap id convention each EAGLE-3 format's config uses (sources: the module docstring of engines/export.py)

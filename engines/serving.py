@@ -10,11 +10,11 @@ import json
 import re
 from pathlib import Path
 
-# head_type -> (our export format, vLLM's speculative method)
+from heads import registry
+
+# head_type -> (our export format, vLLM's speculative method), from the registry's kinds
 VLLM_EXPORT = {
-    "eagle3": ("speculators", "eagle3"),
-    "eagle1": ("eagle1", "eagle"),
-    "medusa": ("medusa-vllm", "medusa"),
+    kind.head_types[0]: kind.vllm for kind in registry.KINDS.values() if kind.vllm and kind.head_types
 }
 # the counters vLLM keeps for speculative decoding (Prometheus names, without the `_total` suffix)
 SPEC_COUNTERS = (

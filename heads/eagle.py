@@ -241,6 +241,10 @@ def check_draft_vocab(
 class EagleHead(nn.Module):
     """EAGLE-1 or EAGLE-3 draft head; sees only tensors (features, embeddings, the target's lm_head)."""
 
+    # layers an int8 draft keeps in fp32: `fc` reads the target's raw hidden states, whose outlier channels
+    # one int8 activation scale per tensor cannot hold (`decode.prepare.quantize_draft`)
+    int8_skip = ("fc",)
+
     def __init__(self, config: EagleConfig) -> None:
         super().__init__()
         self.config = config
@@ -265,6 +269,24 @@ class EagleHead(nn.Module):
             t2d[:vd] = True
             self.register_buffer("t2d", t2d)
         self.rotary_emb = LlamaRotaryEmbedding(llama)
+
+    def checkpoint_notes(self) -> dict:
+        """What `heads.io.save_heads` records in config.json beside the head's config."""
+        if self.head_type != "eagle3":
+            return {}
+        return {"aux_layer_ids_convention": "output of decoder layer i (0-based) = hidden_states[i + 1]"}
+
+    def check_checkpoint(self, state: dict[str, Tensor], source: str) -> None:
+        """Refuse a checkpoint's tensors that load without error but decode wrongly (a bad draft vocabulary
+        map); `heads.io.load_heads` calls it on the raw tensors, before `load_state_dict` casts them."""
+        if self.head_type == "eagle3":
+            c = self.config
+            check_draft_vocab(state["d2t"], c.vocab_size, c.draft_vocab_size, source, t2d=state["t2d"])
+
+    @property
+    def shares_target_lm_head(self) -> bool:
+        """EAGLE-1 projects with the target's lm_head; EAGLE-3 has its own (over its draft vocabulary)."""
+        return self.head_type == "eagle1"
 
     @property
     def feature_layers(self) -> tuple[int, ...]:

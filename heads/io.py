@@ -6,6 +6,7 @@ mismatch, because a head for another target decodes garbage without any error.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -14,10 +15,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from heads.eagle import HEAD_TYPES as EAGLE_TYPES
-from heads.eagle import EagleConfig, EagleHead, check_draft_vocab
+from heads.eagle import EagleHead
 from heads.files import atomic_write, write_json
-from heads.medusa import MedusaConfig, MedusaHeads
+from heads.medusa import MedusaHeads
+from heads.registry import kind_for_head_type
 from heads.typed import ConfigError, build_dataclass
 
 FORMAT_VERSION = 1
@@ -32,18 +33,19 @@ def build_head(head_type: str, head_config: dict, source: str = "head_config") -
     if not isinstance(head_config, dict):
         raise ConfigError(f"{source}: head_config must be a mapping, got {type(head_config).__name__}")
     where = lambda key: source
-    if head_type == "medusa":
-        return MedusaHeads(build_dataclass(MedusaConfig, head_config, "head_config.", where))
-    if head_type in EAGLE_TYPES:
+    try:
+        kind = kind_for_head_type(head_type)  # the registry: module class and config of each head type
+    except ValueError as error:
+        raise ConfigError(f"{source}: {error}") from None
+    config_class = kind.part("config")
+    raw = head_config
+    if "head_type" in {f.name for f in dataclasses.fields(config_class)}:  # a config covering several types
         if head_config.get("head_type", head_type) != head_type:
             raise ConfigError(
                 f"{source}: head_type {head_type!r} but head_config.head_type {head_config['head_type']!r}"
             )
         raw = {**head_config, "head_type": head_type}
-        return EagleHead(build_dataclass(EagleConfig, raw, "head_config.", where))
-    raise ConfigError(
-        f"{source}: unknown head_type {head_type!r}; expected one of {('medusa', *EAGLE_TYPES)}"
-    )
+    return kind.source_class()(build_dataclass(config_class, raw, "head_config.", where))
 
 
 def _text_config(target) -> object:
@@ -100,8 +102,7 @@ def save_heads(
         "vocab_size": head_config["vocab_size"],
         "head_config": head_config,
     }
-    if head.head_type == "eagle3":
-        config["aux_layer_ids_convention"] = "output of decoder layer i (0-based) = hidden_states[i + 1]"
+    config.update(head.checkpoint_notes())
     if target is not None:
         text = _text_config(target)
         config["base_model_type"] = text.model_type
@@ -133,7 +134,7 @@ def read_head_config(path: str | Path) -> dict:
     return config
 
 
-def check_head_matches_target(config: dict | MedusaConfig | EagleConfig, target, where: str = "head") -> None:
+def check_head_matches_target(config, target, where: str = "head") -> None:
     """Raise if the head config does not fit the target (hidden size, vocab, architecture, tap depth).
 
     Args:
@@ -221,7 +222,5 @@ def _load_state_strict(head: nn.Module, state: dict, source: Path) -> None:
             raise ValueError(
                 f"{source}: {key} has shape {tuple(tensor.shape)}, expected {tuple(expected[key].shape)}"
             )
-    if head.head_type == "eagle3":  # before load_state_dict casts a float d2t into the int64 buffer
-        c = head.config
-        check_draft_vocab(state["d2t"], c.vocab_size, c.draft_vocab_size, str(source), t2d=state["t2d"])
+    head.check_checkpoint(state, str(source))  # before load_state_dict casts (a float d2t into int64, say)
     head.load_state_dict(state, strict=True)

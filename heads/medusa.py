@@ -45,6 +45,7 @@ class MedusaHeads(nn.Module):
     """K heads of L ResBlocks, each followed by a vocab projection (own or the target's shared lm_head)."""
 
     head_type = "medusa"
+    int8_skip = ()  # every Linear may be int8 (`decode.prepare.quantize_draft`)
 
     def __init__(self, config: MedusaConfig) -> None:
         super().__init__()
@@ -60,6 +61,17 @@ class MedusaHeads(nn.Module):
                 nn.Linear(config.hidden_size, config.vocab_size, bias=False) for _ in range(config.num_heads)
             )
         )
+
+    def checkpoint_notes(self) -> dict:
+        """What `heads.io.save_heads` records in config.json beside the head's config: nothing more."""
+        return {}
+
+    def check_checkpoint(self, state: dict[str, Tensor], source: str) -> None:
+        """Medusa tensors are checked by their keys and shapes alone (`heads.io.load_heads`)."""
+
+    @property
+    def shares_target_lm_head(self) -> bool:
+        return self.lm_heads is None
 
     @property
     def feature_layers(self) -> tuple[int, ...]:

@@ -85,6 +85,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "(repeatable)"
     )
     add("--medusa1-tree", type=int, action="append", default=[], metavar="NODES", help=nodes)
+    draft = "a separate draft model made of the target's first N layers (targets.layer_draft; repeatable)"
+    add("--draft-layers", type=int, action="append", default=[], metavar="N", help=draft)
     add("--repeats", type=int, default=3, help="timing repeats of the cost measurements")
     add("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     add("--seed", type=int, default=0)
@@ -128,11 +130,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.medusa1_dynamic = [tree_spec(parser, "--medusa1-dynamic", values) for values in args.medusa1_dynamic]
     if args.batch_sizes and not (args.eagle3 or args.medusa1):
         parser.error("--batch-sizes needs --eagle3 or --medusa1 (the head every row drafts with)")
-    if args.batch_rowwise and args.eagle3_tree[:1] and DynamicTree(*args.eagle3_tree[0]).min_prob > 0:
-        parser.error(  # before the calibration, not after it (decode.batch refuses it)
-            "--batch-rowwise times rows drafting one by one, which a MIN_PROB bound on the first "
-            "--eagle3-tree refuses (it sizes the rows' trees together)"
-        )
     if args.medusa1_tree and not (args.size_tree and args.medusa1):
         parser.error(
             "--medusa1-tree needs --size-tree and --medusa1 (it builds trees from the measured acceptance)"
@@ -184,6 +181,7 @@ def main(argv: list[str] | None = None) -> dict:
             eagle3_trees=args.eagle3_tree,
             medusa1_trees=args.medusa1_dynamic,
             medusa1_nodes=args.medusa1_tree,
+            draft_layers=args.draft_layers,
             pretranspose=args.pretranspose,
             int8_draft=args.int8_draft,
             onednn=False if args.pretranspose is False else args.onednn,

@@ -30,7 +30,7 @@ def timed(model, ids: torch.Tensor, head, max_new_tokens: int):
     sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
     sync()
     start = time.perf_counter()
-    out = generate(model, ids, head, max_new_tokens=max_new_tokens)
+    out = generate(model, ids, head, max_new_tokens=max_new_tokens).one
     sync()
     return out, time.perf_counter() - start
 

@@ -126,10 +126,10 @@ def main() -> None:
     results = {name: [] for name in trees}
     for row in rows:
         ids = as_ids(row)
-        plain = generate(model, ids, max_new_tokens=args.max_new_tokens)
+        plain = generate(model, ids, max_new_tokens=args.max_new_tokens).one
         for name, tree in trees.items():
             prepare(model, head, tree, int8_draft=args.int8_draft)  # packs for this tree (0.2 s, untimed)
-            spec = generate(model, ids, head, max_new_tokens=args.max_new_tokens, tree=tree)
+            spec = generate(model, ids, head, max_new_tokens=args.max_new_tokens, tree=tree).one
             if not torch.equal(plain.sequences, spec.sequences):
                 raise SystemExit(f"LOSSLESS CHECK FAILED on {row['id']} ({name})")
             results[name].append(

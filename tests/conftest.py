@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from decode.propose import Drafter
+from decode.drafter import Drafter
 from heads.features import LAST
 from targets import materialize_default_target
 
@@ -59,10 +59,10 @@ def any_target(request, build_target) -> torch.nn.Module:
 
 
 class RankOracle(Drafter):
-    """A drafter that knows the plain greedy continuation `sequence` (prompt included): it ranks the true next
-    token r-th with probability rank_probs[r] (the rest: not among its top candidates), random logits
-    elsewhere. With `features` (the target's final hidden states over `sequence`) it also checks what it is
-    fed."""
+    """A one-row drafter that knows the plain greedy continuation `sequence` (prompt included): it ranks the
+    true next token r-th with probability rank_probs[r] (the rest: not among its top candidates), random
+    logits elsewhere. With `features` (the target's final hidden states over `sequence`) it also checks what
+    it is fed. Several drive a batch as a list (`decode.drafter.RowDrafters`)."""
 
     feature_layers = (LAST,)
 
@@ -80,13 +80,19 @@ class RankOracle(Drafter):
         self.root = (
             0  # index in `sequence` of the current root token (the first advance covers prompt[1:] + root)
         )
-        self.on_path = {0: True}  # node -> lies on the true continuation
+        self.on_path: list[bool] = []  # per expansion row of this proposal: lies on the true continuation
 
-    def advance(self, features, next_tokens):
+    def start(self, prompts):
+        assert len(prompts) == 1 and prompts[0].tolist() == self.sequence[: prompts[0].numel()]
+
+    def advance(self, features, tokens):
+        (next_tokens,) = tokens
         n = next_tokens.numel()
         assert next_tokens.tolist() == self.sequence[self.root + 1 : self.root + 1 + n]
         if self.features is not None:
-            torch.testing.assert_close(features, self.features[self.root : self.root + n], atol=1e-4, rtol=0)
+            torch.testing.assert_close(
+                features[0], self.features[self.root : self.root + n], atol=1e-4, rtol=0
+            )
         self.root += n
 
     def _logits(self, index: int, on_path: bool) -> torch.Tensor:
@@ -102,20 +108,23 @@ class RankOracle(Drafter):
         return logits
 
     def root_logits(self):
-        return self._logits(self.root + 1, True)
+        return self._logits(self.root + 1, True)[None]
 
-    def expand(self, nodes, tokens, parents, depth):
+    def expand(self, parent_rows, tokens, depth):
         rows = []
-        for node, token, parent in zip(nodes, tokens.tolist(), parents):
-            index = self.root + depth
-            self.on_path[node] = (
-                self.on_path[parent] and index < len(self.sequence) and token == self.sequence[index]
-            )
-            rows.append(self._logits(index + 1, self.on_path[node]))
-        return torch.stack(rows)
+        index = self.root + depth
+        for parent, token in zip(parent_rows[0].tolist(), tokens[0].tolist()):
+            parent_on_path = True if parent < 0 else self.on_path[parent]
+            on_path = parent_on_path and index < len(self.sequence) and token == self.sequence[index]
+            self.on_path.append(on_path)
+            rows.append(self._logits(index + 1, on_path))
+        return torch.stack(rows)[None]
 
     def end_proposal(self):
-        self.on_path = {0: True}
+        self.on_path = []
+
+    def select(self, rows):
+        assert rows == [0], rows
 
 
 @pytest.fixture(scope="session")

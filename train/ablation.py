@@ -259,13 +259,13 @@ def draft_cost_ms(model, tokenizer, head_dir: Path, row: dict, repeats: int = 15
     head (a larger draft vocabulary costs a larger draft lm_head); `decode.calibrate.measure_propose_cost`."""
     from benchmarks.benchmark import prompt_ids
     from decode.calibrate import measure_propose_cost
-    from decode.propose import drafter_limits
+    from decode.drafters import make_drafter
     from decode.tree import resolve_tree
     from heads import load_heads
 
     head = load_heads(head_dir, model)
-    max_depth, dynamic = drafter_limits(head)
-    tree = resolve_tree(None, max_depth=max_depth, dynamic=dynamic, device=model.device)
+    limits = make_drafter(head, model, 1).limits()
+    tree = resolve_tree(None, max_depth=limits.max_depth, dynamic=limits.dynamic, device=model.device)
     context = prompt_ids(tokenizer, row).to(model.device)  # (1, T)
     return 1000 * measure_propose_cost(model, head, context, [tree], repeats=repeats)[0]
 

@@ -88,7 +88,7 @@ def ttt_attention_mask(length: int, step: int, dtype: torch.dtype, device: torch
 
     The query of step j at position t plays a depth-j tree node whose committed prefix ends at t - j: it
     sees step-0 keys at positions <= t - j, the key of step i at position t - j + i (its ancestors,
-    0 < i < j) and itself, exactly as at decode time (decode/propose.py `EagleDrafter.expand`).
+    0 < i < j) and itself, exactly as at decode time (decode/drafters/eagle.py `EagleDrafter.expand`).
     """
     pos = torch.arange(length, device=device)
     allowed = [pos[None, :] <= (pos[:, None] - step)]  # step 0: causal, shifted

@@ -91,17 +91,21 @@ def test_build_methods_in_report_order(build_target, tmp_path):
     methods, loaded, targets = build_methods(model, "tiny", paths, [(3, 2, 5)])
     assert [m.name for m in methods] == [
         "prompt lookup",
+        "prompt lookup (transformers)",
         "Medusa-1",
         "EAGLE-1",
         "EAGLE-3 static",
         "EAGLE-3 dynamic",
         "EAGLE-3 dynamic 3/2/5",
+        "EAGLE-3 + lookup",
     ]
     assert list(loaded) == ["medusa1", "eagle1", "eagle3"] and targets == {"base": model}
-    assert methods[0].kind == "lookup" and methods[0].heads is None
-    assert methods[1].tree == [p for p in DEFAULT_TREES["tree16"] if len(p) <= 2]  # cut to the heads' depth
-    assert methods[5].tree == DynamicTree(depth=3, top_k=2, total_tokens=5)
-    assert methods[5].tree_label == "dynamic(depth=3, top_k=2, total=5)"
+    assert methods[1].kind == "lookup" and methods[1].heads is None  # transformers' implementation
+    assert methods[0].kind == "ours" and type(methods[0].heads).__name__ == "Ngram"  # ours (decode.drafters)
+    assert methods[2].tree == [p for p in DEFAULT_TREES["tree16"] if len(p) <= 2]  # cut to the heads' depth
+    assert methods[6].tree == DynamicTree(depth=3, top_k=2, total_tokens=5)
+    assert methods[6].tree_label == "dynamic(depth=3, top_k=2, total=5)"
+    assert [type(p).__name__ for p in methods[7].heads.parts] == ["EagleHead", "Ngram"]  # EAGLE-3 + lookup
 
 
 def test_load_prompts_splits_categories_and_keeps_calibration_apart(tmp_path):

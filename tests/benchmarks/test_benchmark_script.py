@@ -86,6 +86,8 @@ def test_bench_runs_every_method_and_writes_reports(tmp_path, tiny_target_dir, h
             "0.05",
             "--medusa1-tree",
             "6",
+            "--draft-layers",
+            "1",
             "--out",
             str(out),
         ]
@@ -109,6 +111,9 @@ def test_bench_runs_every_method_and_writes_reports(tmp_path, tiny_target_dir, h
     methods = {r["method"] for r in results["rows"]}
     assert {
         "prompt lookup",
+        "prompt lookup (transformers)",
+        "EAGLE-3 + lookup",
+        "draft model (1 layers)",
         "Medusa-1",
         "Medusa-2",
         "EAGLE-1",
@@ -139,11 +144,13 @@ def test_bench_runs_every_method_and_writes_reports(tmp_path, tiny_target_dir, h
         assert row["tau"] >= 1.0 and row["speedup"] > 0 and row["tokens_per_second"] > 0
         assert all(0.0 <= a <= 1.0 for a in row["acceptance_per_depth"])
         # ours: exactly plain greedy decoding
-        if row["temperature"] == 0 and row["method"] != "prompt lookup":
+        if row["temperature"] == 0 and row["method"] != "prompt lookup (transformers)":
             assert row["identical_to_plain"] == row["prompts"]
-        if row["method"] == "prompt lookup":
+        if row["method"] == "prompt lookup (transformers)":
             assert row["draft_nodes_per_step"] is None  # transformers does not say how many it drafted
-        elif "min_prob" not in row["tree"]:  # a bounded tree may draft nothing on steps where nothing is sure
+        elif (
+            "min_prob" not in row["tree"] and row["method"] != "prompt lookup"
+        ):  # a bounded tree may draft nothing on steps where nothing is sure
             assert row["draft_nodes_per_step"] > 0
     cells = {(r["method"], r["temperature"], r["category"]) for r in results["rows"]}
     assert len(cells) == len(results["rows"])  # one row per method, temperature and category
@@ -184,8 +191,15 @@ def test_bench_int8_drafts_by_default_stay_lossless_and_are_reported(
         assert results["int8_draft"] == ["eagle1", "eagle3", "medusa2"]
         assert "int8 draft heads (EAGLE fc in fp32)" in printed
     assert json.loads((tmp_path / "out" / "bench.json").read_text())["int8_draft"] == results["int8_draft"]
-    rows = [r for r in results["rows"] if r["method"] != "prompt lookup"]
-    assert {r["method"] for r in rows} == {"Medusa-2", "EAGLE-1", "EAGLE-3 static", "EAGLE-3 dynamic"}
+    rows = [r for r in results["rows"] if r["method"] != "prompt lookup (transformers)"]
+    assert {r["method"] for r in rows} == {
+        "prompt lookup",
+        "Medusa-2",
+        "EAGLE-1",
+        "EAGLE-3 static",
+        "EAGLE-3 dynamic",
+        "EAGLE-3 + lookup",
+    }
     assert all(r["identical_to_plain"] == r["prompts"] for r in rows)
 
 
@@ -256,11 +270,3 @@ def test_bench_dynamic_trees_name_what_is_wrong(tmp_path, head_dirs, capsys, val
         with pytest.raises(SystemExit):
             bench["main"](["--eagle3", str(head_dirs / "eagle3"), option, *values, "--out", str(tmp_path)])
         assert f"{option} {' '.join(values)}: {message}" in capsys.readouterr().err
-
-
-def test_bench_batch_rowwise_refuses_a_bounded_tree_before_calibrating(tmp_path, head_dirs, capsys):
-    bench = runpy.run_path(str(SCRIPT))
-    args = ["--eagle3", str(head_dirs / "eagle3"), "--batch-sizes", "2", "--batch-rowwise"]
-    with pytest.raises(SystemExit):
-        bench["main"]([*args, "--eagle3-tree", "3", "2", "5", "0.1", "--out", str(tmp_path)])
-    assert "--batch-rowwise times rows drafting one by one" in capsys.readouterr().err

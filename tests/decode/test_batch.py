@@ -8,9 +8,9 @@ import torch
 from transformers import DynamicCache
 
 from decode import generate
-from decode.batch import commit, generate_batch, left_padded, prefill, verify_batch
+from decode.batch import commit, left_padded, prefill, verify_batch
+from decode.drafters.eagle import EagleDrafter
 from decode.generate import decode_prompts
-from decode.propose import make_drafter
 from decode.tree import DraftTree, DynamicTree
 from decode.verify import compact_cache, verify
 from heads import EagleConfig, EagleHead
@@ -119,7 +119,7 @@ def test_batched_plain_decoding_equals_each_prompt_alone_and_transformers(build_
     batched = generate(model, ids, None, attention_mask=mask, max_new_tokens=12, eos_token_id=[])
     assert batched.new_tokens == [12] * 4 and batched.target_forwards == 12 and batched.tau == [1.0] * 4
     for row, prompt in enumerate(prompts):
-        alone = generate(model, prompt, None, max_new_tokens=12, eos_token_id=[])
+        alone = generate(model, prompt, None, max_new_tokens=12, eos_token_id=[]).one
         assert batched.replies[row] == alone.sequences[0, len(prompt) :].tolist(), f"row {row}"
     reference = model.generate(
         ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None
@@ -131,7 +131,7 @@ def _oracles(model, rank_oracle, prompts, new_tokens, seed=0):
     """One RankOracle per row, knowing its prompt's plain greedy continuation."""
     oracles = []
     for row, prompt in enumerate(prompts):
-        plain = generate(model, prompt, None, max_new_tokens=new_tokens + 8, eos_token_id=[])
+        plain = generate(model, prompt, None, max_new_tokens=new_tokens + 8, eos_token_id=[]).one
         oracles.append(rank_oracle(plain.sequences[0].tolist(), 128, [0.6, 0.2], seed=seed + row))
         oracles[-1].max_depth = None
     return oracles
@@ -156,14 +156,14 @@ def test_batched_speculation_is_lossless_per_row_at_temperature_0(build_target, 
         tree=DynamicTree(depth=3, top_k=2, total_tokens=6),
     )
     for row, prompt in enumerate(prompts):
-        alone = generate(model, prompt, None, max_new_tokens=20, eos_token_id=[])
+        alone = generate(model, prompt, None, max_new_tokens=20, eos_token_id=[]).one
         assert out.replies[row] == alone.sequences[0, len(prompt) :].tolist(), f"{arch} row {row}"
     assert all(t > 1.2 for t in out.tau) and out.target_forwards < 20
     assert len({tuple(d) for d in out.accepted_per_depth}) > 1  # the rows accepted differently
 
 
 def test_batched_speculation_with_a_real_head_equals_plain_and_batch_one(build_target):
-    """An EAGLE-3 head shared by the rows (one drafter each): B = 3 equals each prompt alone with the head
+    """An EAGLE-3 head shared by the rows (one batch drafter): B = 3 equals each prompt alone with the head
     (same tau per row: the same trees are drafted) and without it."""
     from heads import EagleConfig, EagleHead
 
@@ -175,7 +175,7 @@ def test_batched_speculation_with_a_real_head_equals_plain_and_batch_one(build_t
     ids, mask = left_padded(prompts, 0)
     out = generate(model, ids, head, attention_mask=mask, max_new_tokens=10, eos_token_id=[])
     for row, prompt in enumerate(prompts):
-        alone = generate(model, prompt, head, max_new_tokens=10, eos_token_id=[])
+        alone = generate(model, prompt, head, max_new_tokens=10, eos_token_id=[]).one
         assert out.replies[row] == alone.sequences[0, len(prompt) :].tolist()
         assert out.tau[row] == pytest.approx(alone.tau) and out.steps[row] == alone.steps
         assert out.accepted_ranks[row] == alone.accepted_ranks
@@ -206,7 +206,7 @@ def test_a_row_that_stops_early_leaves_no_trace_in_the_rows_that_go_on(build_tar
     generator = torch.Generator().manual_seed(5)
     prompts = [torch.randint(1, 128, (n,), generator=generator) for n in (5, 3, 7, 4)]
     free = [
-        generate(model, p, None, max_new_tokens=new, eos_token_id=[]).sequences[0, len(p) :].tolist()
+        generate(model, p, None, max_new_tokens=new, eos_token_id=[]).one.sequences[0, len(p) :].tolist()
         for p in prompts
     ]
     # row 0's stop: a token of its reply, first seen at its 3rd token or later and not early in the last row's
@@ -222,7 +222,7 @@ def test_a_row_that_stops_early_leaves_no_trace_in_the_rows_that_go_on(build_tar
         model, ids, drafters, attention_mask=mask, max_new_tokens=new, eos_token_id=stops, tree=tree
     )
     for row, prompt in enumerate(prompts):
-        alone = generate(model, prompt, None, max_new_tokens=new, eos_token_id=stops)
+        alone = generate(model, prompt, None, max_new_tokens=new, eos_token_id=stops).one
         assert out.replies[row] == alone.sequences[0, len(prompt) :].tolist(), f"{arch} row {row}"
     assert 1 <= out.steps[0] < out.steps[3] and out.tau[3] > 4 > out.tau[0]  # the case the test is about
 
@@ -235,23 +235,44 @@ def test_bad_batches_are_refused(build_target):
     with pytest.raises(ValueError, match="one \\(B, T\\) shape"):
         prefill(model, ids, mask[:, 1:])
     with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
-        generate_batch(model, ids, mask, max_new_tokens=0)
+        generate(model, ids, attention_mask=mask, max_new_tokens=0)
     state, _, _ = prefill(model, ids, mask)
     with pytest.raises(ValueError, match="the cache holds 3 columns, expected 3 \\+ a tree of 1"):
         commit(state, [[0], [0]], 1)  # no verify_batch ran: there is no tree to commit
     with pytest.raises(ValueError, match="keep has 1 rows, the batch 2"):
         commit(state, [[0]], 0)
     with pytest.raises(ValueError, match="2 drafters for a batch of 3"):
-        generate_batch(model, torch.ones(3, 2, dtype=torch.long), None, [None, None], max_new_tokens=2)
-    with pytest.raises(NotImplementedError, match="typical acceptance"):
-        generate(
-            model, ids, None, attention_mask=mask, max_new_tokens=2, temperature=1.0, acceptance="typical"
-        )
-    shared = make_drafter(EagleHead(EagleConfig.from_target(model.config, "eagle3")), model)
-    with pytest.raises(
-        ValueError, match="one Drafter instance for a batch of 2: a drafter holds one sequence"
-    ):
-        generate_batch(model, ids, mask, shared, max_new_tokens=2)
+        generate(model, torch.ones(3, 2, dtype=torch.long), [None, None], max_new_tokens=2)
+
+
+def test_typical_acceptance_decodes_a_batch(build_target):
+    """Typical acceptance (lossy, sampling only), once refused for more than one sequence, decodes a batch:
+    every row accepts by its own rule in the one loop."""
+    model = build_target("llama")
+    ids, mask = left_padded([torch.tensor([1, 2, 3]), torch.tensor([4])], 0)
+    head = EagleHead(EagleConfig.from_target(model.config, "eagle3")).eval()
+    kwargs = {"max_new_tokens": 5, "eos_token_id": [], "temperature": 1.0, "seed": 0, "acceptance": "typical"}
+    for heads in (None, head):
+        out = generate(model, ids, heads, attention_mask=mask, **kwargs)
+        assert out.new_tokens == [5, 5] and all(len(reply) == 5 for reply in out.replies)
+
+
+def test_one_drafter_instance_drafts_for_the_whole_batch(build_target):
+    """A `Drafter` instance (once refused for B > 1: a drafter held one sequence) is the batch's drafter: an
+    EAGLE-3 drafter made for two rows decodes them as the head module itself does, and as each prompt
+    alone."""
+    model = build_target("llama")
+    torch.manual_seed(0)
+    head = EagleHead(EagleConfig.from_target(model.config, "eagle3")).eval()
+    prompts = [torch.tensor([1, 2, 3]), torch.tensor([4])]
+    ids, mask = left_padded(prompts, 0)
+    kwargs = {"attention_mask": mask, "max_new_tokens": 6, "eos_token_id": []}
+    shared = generate(model, ids, EagleDrafter(head, model, 2), **kwargs)
+    own = generate(model, ids, head, **kwargs)
+    assert shared.replies == own.replies and shared.steps == own.steps
+    for row, prompt in enumerate(prompts):
+        alone = generate(model, prompt, None, max_new_tokens=6, eos_token_id=[]).one
+        assert shared.replies[row] == alone.sequences[0, len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -273,7 +294,7 @@ def test_decode_prompts_in_batches_equals_one_prompt_at_a_time(build_target, tem
         if temperature == 0:
             assert [(r.reply, r.steps) for r in two] == [(r.reply, r.steps) for r in one]
             assert [r.tau for r in two] == pytest.approx([r.tau for r in one])
-            alone = generate(model, prompts[3], heads, max_new_tokens=8, eos_token_id=[])
+            alone = generate(model, prompts[3], heads, max_new_tokens=8, eos_token_id=[]).one
             assert one[3].reply == alone.sequences[0, 9:].tolist()
     with pytest.raises(ValueError, match="batch_size must be >= 1, got 0"):
         decode_prompts(model, prompts, None, max_new_tokens=2, batch_size=0)
@@ -299,7 +320,7 @@ def test_a_per_step_policy_switches_trees_and_plain_steps_and_stays_lossless(bui
         model, ids, oracles, attention_mask=mask, max_new_tokens=16, eos_token_id=stop, tree=policy
     )
     for row, prompt in enumerate(prompts):
-        alone = generate(model, prompt, None, max_new_tokens=16, eos_token_id=stop)
+        alone = generate(model, prompt, None, max_new_tokens=16, eos_token_id=stop).one
         assert out.replies[row] == alone.sequences[0, len(prompt) :].tolist(), f"row {row}"
     assert asked == sorted(asked, reverse=True) and asked[-1] <= 2 < asked[0]  # drafted, then plain steps
     one = generate(model, prompts[3], oracles[3], max_new_tokens=16, eos_token_id=stop, tree=policy)
@@ -346,8 +367,8 @@ def test_an_adaptive_policy_sees_every_rows_acceptance_and_turns_speculation_off
     observe, record_time = policy.observe, policy.record_time
     policy.observe = lambda accepted, offered: (seen.append((accepted, offered)), observe(accepted, offered))
     policy.record_time = lambda seconds: (timed.append(seconds), record_time(seconds))
-    out = generate_batch(model, ids, mask, head, max_new_tokens=24, eos_token_id=[], tree=policy)
-    plain = generate_batch(model, ids, mask, None, max_new_tokens=24, eos_token_id=[])
+    out = generate(model, ids, head, attention_mask=mask, max_new_tokens=24, eos_token_id=[], tree=policy)
+    plain = generate(model, ids, None, attention_mask=mask, max_new_tokens=24, eos_token_id=[])
     assert out.replies == plain.replies
     assert policy.chosen[None] >= 8 and sum(t is not None for t in policy.chosen.elements()) >= 3
     assert len(seen) == sum(t is not None for t in policy.chosen.elements())  # one call per drafted step
@@ -362,18 +383,20 @@ def test_a_policy_is_told_each_steps_time_without_the_drafters_one_off_catch_up(
     call moves, so the machine's load cannot blur the check): the step times a policy is told include it
     where the drafters lagged one step (the last step drafted), and leave it out where they caught up on the
     prompt or on plain steps."""
+    import importlib
     import types
 
-    import decode.batch
+    from decode.policy import TreePolicy
 
+    generate_module = importlib.import_module("decode.generate")  # `decode.generate` is the function
     model = build_target("qwen2")
     torch.manual_seed(4)
     head = EagleHead(EagleConfig.from_target(model.config, "eagle3")).eval()
-    made, clock = decode.batch.make_batch_drafter, [0.0]
-    monkeypatch.setattr(decode.batch, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    made, clock = generate_module.make_drafter, [0.0]
+    monkeypatch.setattr(generate_module, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
 
-    def slow_drafter(*args, **kwargs):
-        drafter = made(*args, **kwargs)
+    def slow_drafter(source, target, batch):
+        drafter = made(source, target, batch)
         advance = drafter.advance
 
         def slow_advance(*a, **k):
@@ -383,14 +406,14 @@ def test_a_policy_is_told_each_steps_time_without_the_drafters_one_off_catch_up(
         drafter.advance = slow_advance
         return drafter
 
-    monkeypatch.setattr(decode.batch, "make_batch_drafter", slow_drafter)
+    monkeypatch.setattr(generate_module, "make_drafter", slow_drafter)
     tree = DynamicTree(2, 2, 3)
 
-    class Pattern:  # drafts, drafts, plain, drafts, drafts, plain, ...
+    class Pattern(TreePolicy):  # drafts, drafts, plain, drafts, drafts, plain, ...
         def __init__(self):
             self.handed, self.times = [], []
 
-        def __call__(self, rows):
+        def tree(self, rows):
             self.handed.append(tree if len(self.handed) % 3 != 2 else None)
             return self.handed[-1]
 
@@ -399,8 +422,8 @@ def test_a_policy_is_told_each_steps_time_without_the_drafters_one_off_catch_up(
 
     policy = Pattern()
     ids, mask = left_padded([torch.tensor([5, 9, 2, 7]), torch.tensor([3, 8])], 0)
-    out = generate_batch(model, ids, mask, head, max_new_tokens=9, eos_token_id=[], tree=policy)
-    plain = generate_batch(model, ids, mask, None, max_new_tokens=9, eos_token_id=[])
+    out = generate(model, ids, head, attention_mask=mask, max_new_tokens=9, eos_token_id=[], tree=policy)
+    plain = generate(model, ids, None, attention_mask=mask, max_new_tokens=9, eos_token_id=[])
     assert out.replies == plain.replies and len(policy.times) == len(policy.handed) >= 5
     for step, (handed, seconds) in enumerate(zip(policy.handed, policy.times)):
         lagging = handed is not None and step % 3 == 1  # the step before drafted: one step to catch up

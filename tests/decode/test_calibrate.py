@@ -66,19 +66,21 @@ def test_propose_cost_times_one_drafting_step_per_tree(build_target, kind, monke
     calls = []  # ("advance", rows) and ("expand", depth), in order
     real = calibrate_module.make_drafter
 
-    def spy_drafter(heads, model):
-        drafter = real(heads, model)
-        advance, expand = drafter.advance, drafter.expand_batch
+    def spy_drafter(heads, model, batch):
+        assert batch == 1
+        drafter = real(heads, model, batch)
+        advance, expand = drafter.advance, drafter.expand
 
         def spy_advance(features, tokens):
-            calls.append(("advance", tokens.numel()))
+            (row,) = tokens
+            calls.append(("advance", row.numel()))
             return advance(features, tokens)
 
         def spy_expand(*args):
             calls.append(("expand", args[-1]))
             return expand(*args)
 
-        drafter.advance, drafter.expand_batch = spy_advance, spy_expand
+        drafter.advance, drafter.expand = spy_advance, spy_expand
         return drafter
 
     monkeypatch.setattr(calibrate_module, "make_drafter", spy_drafter)
@@ -95,7 +97,7 @@ def test_acceptance_pools_the_rows_of_a_batched_run_as_separate_runs(build_targe
     """`rank_acceptance` over one batched run equals it over each prompt decoded alone (T=0, drafters that
     accept at known rates): what lets the calibration probes decode in batches."""
     from decode import generate
-    from decode.batch import generate_batch, left_padded
+    from decode.batch import left_padded
     from decode.sizing import rank_acceptance
     from decode.tree import DynamicTree
 
@@ -103,7 +105,8 @@ def test_acceptance_pools_the_rows_of_a_batched_run_as_separate_runs(build_targe
     generator = torch.Generator().manual_seed(8)
     prompts = [torch.randint(1, 128, (n,), generator=generator) for n in (6, 3, 9)]
     plains = [
-        generate(model, p, None, max_new_tokens=30, eos_token_id=[]).sequences[0].tolist() for p in prompts
+        generate(model, p, None, max_new_tokens=30, eos_token_id=[]).one.sequences[0].tolist()
+        for p in prompts
     ]
 
     def oracles():
@@ -111,7 +114,9 @@ def test_acceptance_pools_the_rows_of_a_batched_run_as_separate_runs(build_targe
 
     tree = DynamicTree(depth=3, top_k=2, total_tokens=6)
     ids, mask = left_padded(prompts, 0)
-    batched = generate_batch(model, ids, mask, oracles(), max_new_tokens=20, eos_token_id=[], tree=tree)
+    batched = generate(
+        model, ids, oracles(), attention_mask=mask, max_new_tokens=20, eos_token_id=[], tree=tree
+    )
     alone = [
         generate(model, p, drafter, max_new_tokens=20, eos_token_id=[], tree=tree)
         for p, drafter in zip(prompts, oracles())
@@ -137,4 +142,4 @@ def test_batch_calibration_probes_in_batches_and_makes_both_policies(build_targe
     assert sorted(three.choices) == [1, 2]
     policy = three.adaptive(probe_every=0)
     assert isinstance(policy, AdaptivePolicy) and policy.probe_every == 0 and policy is not three.adaptive()
-    assert policy(2) == three.choices[2].tree  # it starts where the fixed policy is
+    assert policy.tree(2) == three.choices[2].tree  # it starts where the fixed policy is

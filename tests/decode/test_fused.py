@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from decode import generate
+from decode.drafters.eagle import EagleDrafter
 from decode.fused import FusedEagleStep, fused_step
 from decode.layout import (
     can_int8,
@@ -19,7 +20,7 @@ from decode.layout import (
     pretranspose_linears,
 )
 from decode.prepare import prepare, quantize_draft
-from decode.propose import EagleDrafter, propose
+from decode.propose import propose
 from decode.tree import DynamicTree
 from heads.eagle import DraftCache, EagleConfig, EagleHead, additive_mask
 
@@ -156,11 +157,11 @@ def test_fused_and_module_drafters_propose_the_same_trees(build_target, kind, te
     tokens = torch.randint(0, 128, (6,))
     trees = []
     for fused in (True, False):
-        drafter = EagleDrafter(head, target, fused=fused)
-        drafter.advance(features, tokens)
-        tree = propose(
+        drafter = EagleDrafter(head, target, 1, fused=fused)
+        drafter.advance([features], [tokens])
+        (tree,) = propose(
             drafter,
-            11,
+            torch.tensor([11]),
             DynamicTree(depth=4, top_k=3, total_tokens=9),
             temperature=temperature,
             generator=torch.Generator().manual_seed(5),
@@ -178,13 +179,13 @@ def test_fused_and_module_drafters_propose_the_same_trees(build_target, kind, te
 def test_greedy_decoding_with_the_module_path_equals_the_fused_path_and_plain(
     build_target, kind, monkeypatch
 ):
-    import decode.propose as propose_module
+    import decode.drafters.eagle as propose_module
 
     target = build_target("mistral")
     head = _head(target, kind)
-    plain = generate(target, PROMPT, max_new_tokens=24).sequences.tolist()
-    fused = generate(target, PROMPT, head, max_new_tokens=24)
+    plain = generate(target, PROMPT, max_new_tokens=24).one.sequences.tolist()
+    fused = generate(target, PROMPT, head, max_new_tokens=24).one
     monkeypatch.setattr(propose_module, "fused_step", lambda head: head)  # the drafter then calls the module
-    module = generate(target, PROMPT, head, max_new_tokens=24)
+    module = generate(target, PROMPT, head, max_new_tokens=24).one
     assert fused.sequences.tolist() == module.sequences.tolist() == plain
     assert fused.accepted_per_depth == module.accepted_per_depth and fused.steps == module.steps

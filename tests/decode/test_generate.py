@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from decode import DEFAULT_TREES, DynamicTree, generate
-from decode.propose import Drafter
+from decode.drafter import Drafter
 from heads.eagle import EagleConfig, EagleHead
 from heads.medusa import MedusaConfig, MedusaHeads
 
@@ -57,7 +57,7 @@ def _random_heads(kind: str, model: nn.Module) -> nn.Module:
 def _reference(model: nn.Module) -> tuple[list[int], torch.Tensor]:
     """Plain greedy prompt + continuation (with slack past N for overshooting steps) and its final hidden
     states."""
-    sequence = generate(model, PROMPT, max_new_tokens=N + 8).sequences
+    sequence = generate(model, PROMPT, max_new_tokens=N + 8).one.sequences
     with torch.no_grad():
         hidden = model(sequence, output_hidden_states=True).hidden_states[-1][0]  # (T + N + 8, H)
     return sequence[0].tolist(), hidden
@@ -85,13 +85,15 @@ def _plain_ids(model: nn.Module, n: int = N) -> list[int]:
 
 @pytest.mark.parametrize("kind, tree", GRID, ids=[f"{k}-{t}" for k, t in GRID])
 def test_greedy_random_heads_equal_plain(tiny_target, kind, tree):
-    out = generate(tiny_target, PROMPT, _random_heads(kind, tiny_target), max_new_tokens=N, tree=TREES[tree])
+    out = generate(
+        tiny_target, PROMPT, _random_heads(kind, tiny_target), max_new_tokens=N, tree=TREES[tree]
+    ).one
     assert out.sequences[0].tolist() == _plain_ids(tiny_target)
     assert out.new_tokens == N and out.tau >= 1.0 and out.steps == out.target_forwards - 1
 
 
 def test_plain_equals_transformers_generate(any_target):
-    plain = generate(any_target, PROMPT, max_new_tokens=N)
+    plain = generate(any_target, PROMPT, max_new_tokens=N).one
     assert plain.sequences[0].tolist() == _plain_ids(any_target)
     hf = any_target.generate(
         PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=N, do_sample=False, pad_token_id=0
@@ -104,7 +106,7 @@ def _spy_on_compaction(monkeypatch) -> list[list[int]]:
     kept_paths = []
     compact = importlib.import_module("decode.verify").compact_cache
     monkeypatch.setattr(
-        generate_module,
+        importlib.import_module("decode.batch"),
         "compact_cache",
         lambda cache, past, keep, *index: (kept_paths.append(list(keep)), compact(cache, past, keep, *index)),
     )
@@ -118,7 +120,7 @@ def _spy_on_compaction(monkeypatch) -> list[list[int]]:
 def test_oracle_drafts_are_accepted_and_output_is_plain(any_target, tree, monkeypatch, oracle):
     plain = _plain_ids(any_target)  # before the spy: the reference's own decoding would be counted
     kept_paths = _spy_on_compaction(monkeypatch)
-    out = generate(any_target, PROMPT, oracle(any_target), max_new_tokens=N, tree=TREES[tree])
+    out = generate(any_target, PROMPT, oracle(any_target), max_new_tokens=N, tree=TREES[tree]).one
     assert out.sequences[0].tolist() == plain
     assert out.tau > 1.5, out
     assert len(out.accepted_per_depth) >= 2 and min(out.accepted_per_depth[:2]) > 0, out.accepted_per_depth
@@ -141,7 +143,7 @@ def test_typical_acceptance_samples_from_the_filtered_target(build_target, oracl
         acceptance="typical",
         seed=0,
         **filters,
-    )
+    ).one
     assert out.sequences[0].tolist() == _plain_ids(model) and out.tau > 1.5
 
 
@@ -163,7 +165,7 @@ def test_eos_stops_where_plain_decoding_stops(any_target, heads, oracle):
         "eagle1": _random_heads("eagle1", any_target),
         "oracle": oracle(any_target),
     }[heads]
-    out = generate(any_target, PROMPT, drafter, max_new_tokens=N, eos_token_id=eos, tree=TREES["branch5"])
+    out = generate(any_target, PROMPT, drafter, max_new_tokens=N, eos_token_id=eos, tree=TREES["branch5"]).one
     assert out.sequences[0].tolist() == _plain_ids(any_target, j + 1)
     assert out.new_tokens == j + 1 and out.stopped_at_eos
 
@@ -172,10 +174,10 @@ def test_eos_list_and_generation_config(build_target, oracle):
     model = build_target("qwen2")
     j = _eos_step(model)
     eos = _plain_ids(model)[T + j]
-    out = generate(model, PROMPT, oracle(model), max_new_tokens=N, eos_token_id=[999, eos], tree="tree8")
+    out = generate(model, PROMPT, oracle(model), max_new_tokens=N, eos_token_id=[999, eos], tree="tree8").one
     assert out.sequences[0].tolist() == _plain_ids(model, j + 1) and out.stopped_at_eos
     # the fixture cleared generation_config's EOS, so no stop without eos_token_id
-    assert generate(model, PROMPT, max_new_tokens=N).new_tokens == N
+    assert generate(model, PROMPT, max_new_tokens=N).one.new_tokens == N
 
 
 def test_eos_inside_an_accepted_path_stops_decoding(build_target, monkeypatch, oracle):
@@ -191,7 +193,7 @@ def test_eos_inside_an_accepted_path_stops_decoding(build_target, monkeypatch, o
             max_new_tokens=N,
             eos_token_id=eos,
             tree=TREES["branch5"],
-        )
+        ).one
         assert out.new_tokens == j + 1
         # the last verify step must be the one that emitted the EOS (each step emits accepted + bonus)
         emitted_before_last_step = 1 + sum(len(keep) for keep in kept_paths[:-1])
@@ -201,7 +203,7 @@ def test_eos_inside_an_accepted_path_stops_decoding(build_target, monkeypatch, o
 @pytest.mark.parametrize("max_new_tokens", [1, 2, 5, 13])
 def test_max_new_tokens_is_exact(build_target, max_new_tokens, oracle):
     model = build_target("qwen2")
-    out = generate(model, PROMPT, oracle(model), max_new_tokens=max_new_tokens, tree=TREES["tree8"])
+    out = generate(model, PROMPT, oracle(model), max_new_tokens=max_new_tokens, tree=TREES["tree8"]).one
     assert out.new_tokens == max_new_tokens
     assert out.sequences[0].tolist() == _plain_ids(model, max_new_tokens)
     assert not out.stopped_at_eos
@@ -211,7 +213,7 @@ def test_max_new_tokens_is_exact(build_target, max_new_tokens, oracle):
 
 
 def test_plain_statistics(build_target):
-    out = generate(build_target("llama"), PROMPT, max_new_tokens=20)
+    out = generate(build_target("llama"), PROMPT, max_new_tokens=20).one
     assert out.tau == 1.0 and out.steps == out.new_tokens - 1 == 19 and out.target_forwards == 20
     assert out.accepted_per_depth == [] and out.acceptance_rates() == []
     assert out.accepted_ranks == [] and out.draft_nodes == 0
@@ -226,9 +228,11 @@ def test_a_min_prob_bound_sizes_each_step_by_the_drafts_confidence(build_target,
     sizes = []
     propose = generate_module.propose
     monkeypatch.setattr(
-        generate_module, "propose", lambda *a, **k: (sizes.append(len(tree := propose(*a, **k))), tree)[1]
+        generate_module,
+        "propose",
+        lambda *a, **k: (sizes.append(len((trees := propose(*a, **k))[0])), trees)[1],
     )
-    out = generate(model, PROMPT, oracle(model, seed=2), max_new_tokens=N, tree=TREES["bounded"])
+    out = generate(model, PROMPT, oracle(model, seed=2), max_new_tokens=N, tree=TREES["bounded"]).one
     assert out.sequences[0].tolist() == _plain_ids(model)
     assert len(sizes) == out.steps and out.draft_nodes == sum(sizes) - out.steps
     assert max(sizes) == 5 and min(sizes) < 5  # root + 0.67, 0.24, 0.44, 0.30 when confident
@@ -238,7 +242,7 @@ def test_a_min_prob_bound_sizes_each_step_by_the_drafts_confidence(build_target,
 @pytest.mark.parametrize("tree", ["tree8", "dynamic338"])
 def test_acceptance_rates(build_target, tree, oracle):
     model = build_target("gemma2")
-    out = generate(model, PROMPT, oracle(model, seed=1), max_new_tokens=N, tree=TREES[tree])
+    out = generate(model, PROMPT, oracle(model, seed=1), max_new_tokens=N, tree=TREES[tree]).one
     rates = out.acceptance_rates()
     assert len(rates) == len(out.accepted_per_depth) >= 2
     assert all(0.0 <= r <= 1.0 for r in rates)

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from decode import generate, generate_batch
+from decode import generate
 from decode.layout import can_int8
 from decode.prepare import quantize_draft
 from heads.eagle import EagleConfig, EagleHead
@@ -31,11 +31,6 @@ BAD_CALLS = {
         r"top_p must be in \(0, 1\], got 1.5",
     ),
     "negative top_k": ({"temperature": 1.0, "top_k": -1}, ValueError, "top_k must be >= 0, got -1"),
-    "batch with typical acceptance": (
-        {"input_ids": PROMPT.repeat(2, 1), "temperature": 1.0, "acceptance": "typical"},
-        NotImplementedError,
-        "typical acceptance decodes one sequence at a time",
-    ),
     "3-d prompt": ({"input_ids": PROMPT[None]}, ValueError, r"\(1, 1, 7\)"),
     "tree not prefix-closed": (
         {"heads": lambda m: _medusa(), "tree": [(0,), (0, 0, 0)]},
@@ -191,34 +186,62 @@ SHARED = [case for case, (kwargs, _, _) in BAD_CALLS.items() if not {"heads", "a
 
 
 @pytest.mark.parametrize("case", SHARED)
-def test_generate_batch_refuses_the_same_input(build_target, case):
-    """The batched entry point checks its arguments with the same code, before any work."""
+def test_a_masked_request_refuses_the_same_input(build_target, case):
+    """A request with an attention mask (the padded path, which a separate batched entry point once took)
+    is checked by the same code, before any work: every case without a mask of its own gets an all-ones one
+    of its prompt's shape, and the same error comes."""
     model = build_target("llama")
     kwargs, error, message = BAD_CALLS[case]
     kwargs = {"input_ids": PROMPT, "max_new_tokens": 4, **kwargs}
+    if "attention_mask" not in kwargs:
+        ids = kwargs["input_ids"]
+        shape = tuple(ids.shape) if isinstance(ids, torch.Tensor) else (len(ids), len(ids[0]))
+        kwargs["attention_mask"] = torch.ones(shape, dtype=torch.long)
     with pytest.raises(error, match=message):
-        generate_batch(model, **kwargs)
+        generate(model, **kwargs)
+
+
+def test_typical_acceptance_decodes_a_batch(build_target):
+    """Typical acceptance (lossy, sampling only) was once refused for more than one sequence; the one decode
+    loop takes a batch: each row accepts by the rule and gets its reply."""
+    model = build_target("llama")
+    torch.manual_seed(0)
+    out = generate(
+        model,
+        PROMPT.repeat(2, 1),
+        _medusa(),
+        max_new_tokens=4,
+        temperature=1.0,
+        seed=0,
+        eos_token_id=[],
+        acceptance="typical",
+    )
+    assert out.new_tokens == [4, 4] and [len(reply) for reply in out.replies] == [4, 4]
 
 
 def test_integer_ids_of_any_width_decode_alike(build_target):
     """int32 or uint8 ids are token ids like int64 ones (the loop works in int64)."""
     model = build_target("llama")
-    reference = generate(model, PROMPT, max_new_tokens=5).sequences
+    reference = generate(model, PROMPT, max_new_tokens=5).one.sequences
     for dtype in (torch.int32, torch.uint8):
-        assert generate(model, PROMPT.to(dtype), max_new_tokens=5).sequences.tolist() == reference.tolist()
+        assert (
+            generate(model, PROMPT.to(dtype), max_new_tokens=5).one.sequences.tolist() == reference.tolist()
+        )
 
 
 def test_eos_as_a_tensor_stops_like_an_int(build_target):
     model = build_target("llama")
-    plain = generate(model, PROMPT, max_new_tokens=8).sequences[0, PROMPT.shape[1] :].tolist()
+    plain = generate(model, PROMPT, max_new_tokens=8).one.sequences[0, PROMPT.shape[1] :].tolist()
     stop = plain[3]
     for eos in (stop, torch.tensor(stop), torch.tensor([stop, 127])):
-        out = generate(model, PROMPT, max_new_tokens=8, eos_token_id=eos)
+        out = generate(model, PROMPT, max_new_tokens=8, eos_token_id=eos).one
         assert out.sequences[0, PROMPT.shape[1] :].tolist() == plain[: plain.index(stop) + 1]
 
 
 def test_wrong_heads_type_raises_type_error(build_target):
-    with pytest.raises(TypeError, match="heads must be MedusaHeads or EagleHead"):
+    with pytest.raises(
+        TypeError, match="no drafter is registered for Linear; registered: eagle3 .EagleHead."
+    ):
         generate(build_target("llama"), PROMPT, nn.Linear(32, 32), max_new_tokens=4)
 
 
@@ -229,5 +252,5 @@ def test_int8_drafts_fit_an_fp32_target(build_target, kind):
     model = build_target("llama")
     torch.manual_seed(0)
     heads = _medusa() if kind == "medusa" else EagleHead(EagleConfig.from_target(model.config, "eagle3"))
-    out = generate(model, PROMPT, quantize_draft(heads.eval(), model), max_new_tokens=4)
+    out = generate(model, PROMPT, quantize_draft(heads.eval(), model), max_new_tokens=4).one
     assert out.new_tokens == 4

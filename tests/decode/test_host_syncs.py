@@ -84,7 +84,7 @@ def _per_step(model: nn.Module, heads: nn.Module | None, tree, temperature: floa
         with RoundTrips() as trips:
             out = generate(
                 model, PROMPT, heads, max_new_tokens=new_tokens, tree=tree, temperature=temperature, seed=0
-            )
+            ).one
         runs.append((trips.count, out.steps, out.tau))
     (short, short_steps, _), (long, long_steps, tau) = runs
     assert long_steps > short_steps
@@ -105,18 +105,18 @@ def test_round_trips_per_step_do_not_grow_with_tree_or_layers(build_target, kind
 
 
 def _per_batched_step(model: nn.Module, heads: nn.Module, batch: int, tree, temperature: float) -> float:
-    """Round trips per step of `generate_batch` over `batch` prompts of different lengths (rows drafting
-    together), from a run of 8 and one of 24 new tokens after a warm-up run (a static tree's levels are made
-    once per tree: not per step)."""
-    from decode.batch import generate_batch, left_padded
+    """Round trips per step of `generate` over `batch` left-padded prompts of different lengths (an attention
+    mask given, so even B = 1 takes the masked path; rows drafting together), from a run of 8 and one of 24
+    new tokens after a warm-up run (a static tree's levels are made once per tree: not per step)."""
+    from decode.batch import left_padded
 
     ids, mask = left_padded([PROMPT[0, : 7 - row % 3] for row in range(batch)], 0)
-    kwargs = {"tree": tree, "temperature": temperature, "seed": 0, "eos_token_id": []}
-    generate_batch(model, ids, mask, heads, max_new_tokens=4, **kwargs)
+    kwargs = {"attention_mask": mask, "tree": tree, "temperature": temperature, "seed": 0, "eos_token_id": []}
+    generate(model, ids, heads, max_new_tokens=4, **kwargs)
     runs = []
     for new_tokens in (8, 24):
         with RoundTrips() as trips:
-            out = generate_batch(model, ids, mask, heads, max_new_tokens=new_tokens, **kwargs)
+            out = generate(model, ids, heads, max_new_tokens=new_tokens, **kwargs)
         assert len(set(out.steps)) == 1  # every row stepped alike: the runs differ by whole steps
         runs.append((trips.count, out.steps[0]))
     (short, short_steps), (long, long_steps) = runs

@@ -79,7 +79,7 @@ def test_layers_off_the_cpu_and_bad_thresholds():
 
 @pytest.mark.parametrize("tree", ["tree8", "oracle"])
 def test_greedy_speculative_decoding_on_pretransposed_models_equals_plain(any_target, tree, rank_oracle):
-    plain = generate(any_target, PROMPT, max_new_tokens=40).sequences
+    plain = generate(any_target, PROMPT, max_new_tokens=40).one.sequences
     target = copy.deepcopy(any_target)
     torch.manual_seed(0)
     head = EagleHead(EagleConfig.from_target(target.config, "eagle3", draft_vocab_size=64)).eval()
@@ -91,7 +91,7 @@ def test_greedy_speculative_decoding_on_pretransposed_models_equals_plain(any_ta
     else:
         assert pretranspose_linears(head, min_rows=2) > 0
     assert pretranspose_linears(target, min_rows=2) > 0
-    out = generate(target, PROMPT, head, max_new_tokens=40, tree="tree8")
+    out = generate(target, PROMPT, head, max_new_tokens=40, tree="tree8").one
     assert out.sequences.tolist() == plain.tolist()
     if tree == "oracle":
         assert out.tau > 1.5
@@ -334,10 +334,10 @@ def test_onednn_leaves_int8_layers_alone():
 @pytest.mark.parametrize("tree", ["tree8", "dynamic"])
 def test_greedy_speculative_decoding_on_onednn_models_equals_plain(any_target, tree, rank_oracle):
     tree = DynamicTree(depth=4, top_k=3, total_tokens=9) if tree == "dynamic" else tree
-    plain = generate(any_target, PROMPT, max_new_tokens=48).sequences  # the oracle knows 8 tokens more
+    plain = generate(any_target, PROMPT, max_new_tokens=48).one.sequences  # the oracle knows 8 tokens more
     target = copy.deepcopy(any_target)
     assert onednn_linears(target) > 0
-    assert generate(target, PROMPT, max_new_tokens=40).sequences.tolist() == plain[:, :47].tolist()
+    assert generate(target, PROMPT, max_new_tokens=40).one.sequences.tolist() == plain[:, :47].tolist()
     head = rank_oracle(plain[0].tolist(), 128, [1 / 3] * 3)
-    out = generate(target, PROMPT, head, max_new_tokens=40, tree=tree)
+    out = generate(target, PROMPT, head, max_new_tokens=40, tree=tree).one
     assert out.sequences.tolist() == plain[:, : PROMPT.shape[1] + 40].tolist() and out.tau > 1.5

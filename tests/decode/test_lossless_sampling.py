@@ -5,6 +5,7 @@ prefix (`fit_pvalue`); a chi-square goodness-of-fit test must NOT reject for the
 reject for deliberately biased rules (negative controls: the test is shown able to fail).
 """
 
+import copy
 import importlib
 
 import numpy as np
@@ -49,7 +50,7 @@ def emitted_with_exact_probs(model, heads, tree, seed_base, sampling, **kwargs):
     for run in range(RUNS):
         out = generate(
             model, PROMPT, heads, max_new_tokens=NEW, tree=tree, seed=seed_base + run, **sampling, **kwargs
-        )
+        ).one
         seq = out.sequences
         with torch.no_grad():
             probs.append(target_probs(model(seq).logits[0, PROMPT.shape[1] - 1 : -1], **sampling).double())
@@ -164,6 +165,34 @@ def test_speculative_sampling_matches_target_distribution(target, kind, tree, sa
     assert pvalue > 1e-3, f"{kind}: speculative sampling deviates from the target (chi-square p={pvalue:.2e})"
 
 
+def make_source(model, kind):
+    """The drafters that are not heads: n-gram lookup, a separate draft model, a composite of both kinds."""
+    from decode.drafters.composite import Composite
+    from decode.drafters.model import DraftModel
+    from decode.drafters.ngram import Ngram
+
+    if kind == "ngram":
+        return Ngram(max_ngram=2)
+    cfg = copy.deepcopy(model.config)
+    cfg.num_hidden_layers = 1
+    torch.manual_seed(5)
+    draft = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    with torch.no_grad():  # as peaky as the target, so that its drafts are often taken
+        draft.lm_head.weight.mul_(4.0)
+    if kind == "draft_model":
+        return DraftModel(draft)
+    return Composite([make_heads(model, "eagle1"), Ngram(max_ngram=2), DraftModel(draft)], weights=[1, 2, 1])
+
+
+@pytest.mark.parametrize("kind", ["ngram", "draft_model", "composite"])
+def test_the_other_drafters_sample_the_target_distribution(target, kind):
+    """Prompt lookup, a separate draft model and a composite (its q a mixture of its parts'): the emitted
+    tokens follow the target's distribution, with drafts taken often enough for the test to mean something."""
+    tree = DynamicTree(depth=3, top_k=2, total_tokens=6)
+    pvalue = fit_pvalue(target, make_source(target, kind), tree, seed_base=7000, min_tau=1.2)
+    assert pvalue > 1e-3, f"{kind}: speculative sampling deviates from the target (chi-square p={pvalue:.2e})"
+
+
 def test_plain_sampling_matches_exact_distribution(target):
     """The oracle itself: plain sampling through the same loop passes the same test."""
     assert fit_pvalue(target, None, None, seed_base=5000) > 1e-3
@@ -218,7 +247,7 @@ def test_batched_speculative_sampling_matches_target_distribution_per_row(target
 
 def test_negative_control_batched_rule_is_detected(target, monkeypatch):
     monkeypatch.setattr(
-        importlib.import_module("decode.batch"), "accept_sampling", _accept_with_unit_draft_probability
+        importlib.import_module("decode.generate"), "accept_sampling", _accept_with_unit_draft_probability
     )
     pvalue = fit_pvalue(
         target, make_heads(target, "medusa", std=0.1), CASES[0][1], seed_base=3000, batched=True
@@ -318,15 +347,13 @@ def _pruned_renormalised(draw):
 
 
 def _mutate_draws(monkeypatch, mutation) -> None:
-    """Apply `mutation` to the children draws of both growth engines (one sequence and a batch)."""
-    for name in ("decode.propose", "decode.batch_draft"):
-        module = importlib.import_module(name)
-        monkeypatch.setattr(module, "draw_children", mutation(module.draw_children))
+    """Apply `mutation` to the children draws of the growth engine."""
+    module = importlib.import_module("decode.propose")
+    monkeypatch.setattr(module, "draw_children", mutation(module.draw_children))
 
 
 def _mutate_rule(monkeypatch, rule) -> None:
-    for name in ("decode.generate", "decode.batch"):
-        monkeypatch.setattr(importlib.import_module(name), "accept_sampling", rule)
+    monkeypatch.setattr(importlib.import_module("decode.generate"), "accept_sampling", rule)
 
 
 # name: (apply the mutation, heads, tree, samples). 2,000 samples: with fewer, the cells a biased rule

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from decode import DEFAULT_EAGLE_TREE, generate, prepare
+from decode.drafters.lm_head import DRAFT_LM_HEAD, draft_lm_head
 from decode.layout import (
     can_int8,
     can_onednn,
@@ -26,7 +27,6 @@ from decode.layout import (
     transposed_weight,
 )
 from decode.prepare import is_int8_draft, pack_for_tree, quantize_draft
-from decode.propose import DRAFT_LM_HEAD, draft_lm_head
 from decode.tree import DEFAULT_MEDUSA_TREE, DEFAULT_TREES, DynamicTree, verify_rows
 from heads.eagle import EagleConfig, EagleHead
 from heads.medusa import MedusaConfig, MedusaHeads
@@ -89,7 +89,7 @@ def test_prepare_on_this_cpu_gives_target_plain_decoding_and_draft_fc_the_onednn
 @pytest.mark.parametrize("onednn", [False, None], ids=["mkl", "default"])
 @pytest.mark.parametrize("tree", [TREE, "tree8"], ids=str)
 def test_greedy_output_after_prepare_equals_plain_decoding(tiny_target, tree, rank_oracle, onednn):
-    plain = generate(tiny_target, PROMPT, max_new_tokens=48).sequences  # the oracle knows 8 tokens more
+    plain = generate(tiny_target, PROMPT, max_new_tokens=48).one.sequences  # the oracle knows 8 tokens more
     target = copy.deepcopy(tiny_target)
     oracle = rank_oracle(plain[0].tolist(), 128, [1 / 3] * 3)  # long accepted paths: many multi-row verifies
     assert prepare(target, oracle, tree, onednn=onednn) is oracle  # a custom Drafter only sizes the tree
@@ -97,14 +97,14 @@ def test_greedy_output_after_prepare_equals_plain_decoding(tiny_target, tree, ra
         assert packed_rows(target) == verify_rows(tree)
     else:
         assert is_onednn(target) == can_onednn() and packed_rows(target) is None
-    out = generate(target, PROMPT, oracle, max_new_tokens=40, tree=tree)
+    out = generate(target, PROMPT, oracle, max_new_tokens=40, tree=tree).one
     assert out.sequences.tolist() == plain[:, : PROMPT.shape[1] + 40].tolist() and out.tau > 1.5
     assert (
-        generate(target, PROMPT, max_new_tokens=40).sequences.tolist() == out.sequences.tolist()
+        generate(target, PROMPT, max_new_tokens=40).one.sequences.tolist() == out.sequences.tolist()
     )  # prepared
     head = prepare(target, _eagle3(target), tree, onednn=onednn)  # a real head, int8
     assert is_int8_draft(head)
-    out = generate(target, PROMPT, head, max_new_tokens=40, tree=tree)
+    out = generate(target, PROMPT, head, max_new_tokens=40, tree=tree).one
     assert out.sequences.tolist() == plain[:, : PROMPT.shape[1] + 40].tolist()
 
 
@@ -159,11 +159,11 @@ def _tensors(*modules: nn.Module) -> list[tuple[str, torch.dtype, torch.device]]
 @x86
 def test_a_prepared_model_cast_to_float64_decodes_as_a_float64_model(build_target, rank_oracle):
     target = copy.deepcopy(build_target("llama"))
-    plain = generate(copy.deepcopy(target).to(torch.float64), PROMPT, max_new_tokens=24).sequences
+    plain = generate(copy.deepcopy(target).to(torch.float64), PROMPT, max_new_tokens=24).one.sequences
     oracle = rank_oracle(plain[0].tolist(), 128, [1.0])
     prepare(target, oracle, "tree8", onednn=False)
     target.to(torch.float64)  # the fp32 copies are stale: never read, freed at the layers' next call
-    out = generate(target, PROMPT, oracle, max_new_tokens=16, tree="tree8")
+    out = generate(target, PROMPT, oracle, max_new_tokens=16, tree="tree8").one
     assert out.sequences.tolist() == plain[:, : PROMPT.shape[1] + 16].tolist() and out.tau > 2
     assert packed_rows(target) is None and not is_pretransposed(target)
     prepare(target, oracle, "tree8", onednn=False)  # float64: no copies
@@ -197,7 +197,7 @@ def test_pack_for_tree_packs_target_and_eagle_head_for_the_tree(build_target):
 def test_greedy_speculative_decoding_on_packed_models_equals_plain(any_target, tree, rank_oracle):
     plain = generate(
         any_target, PROMPT, max_new_tokens=48
-    ).sequences  # the oracle knows 8 tokens more than decoded
+    ).one.sequences  # the oracle knows 8 tokens more than decoded
     target = copy.deepcopy(any_target)
     with torch.no_grad():
         features = target(plain, output_hidden_states=True).hidden_states[-1][0]
@@ -205,7 +205,7 @@ def test_greedy_speculative_decoding_on_packed_models_equals_plain(any_target, t
     pretranspose_linears(target, min_rows=2)
     pack_for_tree(target, head, tree)
     assert packed_rows(target) == verify_rows(tree)
-    out = generate(target, PROMPT, head, max_new_tokens=40, tree=tree)
+    out = generate(target, PROMPT, head, max_new_tokens=40, tree=tree).one
     assert out.sequences.tolist() == plain[:, : PROMPT.shape[1] + 40].tolist()
     assert out.tau > 1.5
 
@@ -236,7 +236,7 @@ def test_int8_draft_logits_stay_close_to_fp32(build_target):
 @needs_fbgemm
 @pytest.mark.parametrize("kind", ["eagle3", "eagle1", "medusa_shared", "medusa_own"])
 def test_greedy_decoding_with_int8_drafts_equals_plain_and_leaves_the_target_alone(any_target, kind):
-    plain = generate(any_target, PROMPT, max_new_tokens=32).sequences
+    plain = generate(any_target, PROMPT, max_new_tokens=32).one.sequences
     target = copy.deepcopy(any_target)
     lm_weight = target.get_output_embeddings().weight.clone()
     torch.manual_seed(0)
@@ -257,7 +257,7 @@ def test_greedy_decoding_with_int8_drafts_equals_plain_and_leaves_the_target_alo
     assert (draft_lm_head(heads, target) is target.get_output_embeddings()) != shares
     assert not any(name.startswith(DRAFT_LM_HEAD) for name, _ in heads.named_modules())  # no submodule
     for tree in (None, "tree8"):
-        out = generate(target, PROMPT, heads, max_new_tokens=32, tree=tree)
+        out = generate(target, PROMPT, heads, max_new_tokens=32, tree=tree).one
         assert out.sequences.tolist() == plain.tolist()
     assert isinstance(target.get_output_embeddings(), nn.Linear)
     assert torch.equal(target.get_output_embeddings().weight, lm_weight)
@@ -309,13 +309,13 @@ def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
 def _assert_decodes_as(model: nn.Module, reference: nn.Module, rank_oracle, layout: str) -> None:
     """`model` (prepared) gives `reference`'s (unprepared, same weights) logits and greedy tokens, plain and
     speculative."""
-    expected = generate(reference, PROMPT, max_new_tokens=24).sequences
-    assert generate(model, PROMPT, max_new_tokens=16).sequences.tolist() == expected[:, :23].tolist()
+    expected = generate(reference, PROMPT, max_new_tokens=24).one.sequences
+    assert generate(model, PROMPT, max_new_tokens=16).one.sequences.tolist() == expected[:, :23].tolist()
     with torch.no_grad():
         torch.testing.assert_close(model(expected).logits, reference(expected).logits, rtol=1e-5, atol=1e-5)
     oracle = rank_oracle(expected[0].tolist(), 128, [1 / 3] * 3)  # many multi-row verifies
     prepare(model, oracle, "tree8", **LAYOUTS[layout])  # the packed copies for its 9 rows (MKL)
-    out = generate(model, PROMPT, oracle, max_new_tokens=16, tree="tree8")
+    out = generate(model, PROMPT, oracle, max_new_tokens=16, tree="tree8").one
     assert out.sequences.tolist() == expected[:, :23].tolist() and out.tau > 1.5
 
 
@@ -323,13 +323,15 @@ def _assert_decodes_as(model: nn.Module, reference: nn.Module, rank_oracle, layo
 def test_a_prepared_model_follows_a_fused_adamw_step(build_target, rank_oracle, layout):
     model = _trainable(build_target, layout)
     reference = copy.deepcopy(model)
-    before = generate(model, PROMPT, max_new_tokens=16).sequences
+    before = generate(model, PROMPT, max_new_tokens=16).one.sequences
     prepare(model, None, **LAYOUTS[layout])
     for module in (model, reference):  # fused: the weights change, their version counters do not
         _train_step(module, torch.optim.AdamW(module.parameters(), lr=0.05, fused=True))
     for (name, param), ref in zip(model.named_parameters(), reference.parameters()):
         assert torch.equal(param, ref), name  # the same step: every gradient reached the prepared model
-    assert generate(reference, PROMPT, max_new_tokens=16).sequences.tolist() != before.tolist()  # it shows
+    assert (
+        generate(reference, PROMPT, max_new_tokens=16).one.sequences.tolist() != before.tolist()
+    )  # it shows
     _assert_decodes_as(model, reference, rank_oracle, layout)
 
 

@@ -1,11 +1,16 @@
-"""decode/propose.py: the EAGLE drafter's tree masks, batched child draws, what a drafter tells the tree
-resolver (depth it reaches, dynamic or static), the lm_head a sharing draft projects with, and the trees a
-`DynamicTree.min_prob` bound grows."""
+"""decode/propose.py and the built-in drafters: the EAGLE drafter's tree masks, batched child draws, what a
+drafter tells the tree resolver (`limits`: depth it reaches, dynamic or static, block or level by level), the
+lm_head a sharing draft projects with, and the trees a `DynamicTree.min_prob` bound grows."""
 
 import pytest
 import torch
 
-from decode.propose import Drafter, EagleDrafter, draft_lm_head, drafter_limits, draw_children, propose
+from decode.drafter import Drafter, DraftLimits
+from decode.drafters import make_drafter
+from decode.drafters.eagle import EagleDrafter
+from decode.drafters.lm_head import draft_lm_head
+from decode.drafters.medusa import MedusaDrafter
+from decode.propose import draw_children, propose
 from decode.tree import DynamicTree
 from heads.eagle import EagleConfig, EagleHead
 from heads.medusa import MedusaConfig, MedusaHeads
@@ -20,20 +25,21 @@ def _head(target) -> EagleHead:
 
 def test_drafter_tree_mask_lets_each_node_see_its_ancestors_only(build_target):
     target = build_target("llama")
-    drafter = EagleDrafter(_head(target), target)
-    drafter.advance(torch.randn(4, 3 * 32), torch.randint(0, 128, (4,)))
+    drafter = EagleDrafter(_head(target), target, 1)
+    drafter.advance([torch.randn(4, 3 * 32)], [torch.randint(0, 128, (4,))])
     seen = []
     real = drafter.step
 
     def spy(*args, attention_mask):
-        seen.append((attention_mask[0, 0] == 0)[:, drafter.committed :].int().tolist())
+        seen.append((attention_mask[0, 0] == 0)[:, drafter.valid.shape[1] :].int().tolist())
         return real(*args, attention_mask=attention_mask)
 
     drafter.step = spy
-    # root -> 1, 2; 1 -> 3; 2 -> 4, 5; 4 -> 6. Slots follow expansion order: 1, 2 | 3, 4 | 6 (5 is a leaf)
-    drafter.expand([1, 2], torch.tensor([5, 6]), [0, 0], depth=1)
-    drafter.expand([3, 4], torch.tensor([7, 8]), [1, 2], depth=2)
-    drafter.expand([6], torch.tensor([9]), [4], depth=3)
+    # root -> 1, 2; 1 -> 3; 2 -> 4, 5; 4 -> 6. Rows follow expansion order: 1, 2 | 3, 4 | 6 (5 is a leaf);
+    # each call names where its nodes' parents were expanded (-1: the root)
+    drafter.expand(torch.tensor([[-1, -1]]), torch.tensor([[5, 6]]), depth=1)
+    drafter.expand(torch.tensor([[0, 1]]), torch.tensor([[7, 8]]), depth=2)
+    drafter.expand(torch.tensor([[3]]), torch.tensor([[9]]), depth=3)
     assert seen == [[[1, 0], [0, 1]],
                     [[1, 0, 1, 0], [0, 1, 0, 1]],
                     [[0, 1, 0, 1, 1]]]  # fmt: skip
@@ -41,7 +47,7 @@ def test_drafter_tree_mask_lets_each_node_see_its_ancestors_only(build_target):
     drafter.end_proposal()  # the next proposal starts from the committed prefix and an empty tree
     assert len(drafter.cache) == 4
     seen.clear()
-    drafter.expand([1], torch.tensor([5]), [0], depth=1)
+    drafter.expand(torch.tensor([[-1]]), torch.tensor([[5]]), depth=1)
     assert seen == [[[1]]]
 
 
@@ -68,18 +74,16 @@ def test_batched_draws_match_one_row_at_a_time():
     torch.testing.assert_close(freq, torch.softmax(torch.tensor([0.0, 1.0, 2.0]), -1), atol=0.03, rtol=0)
 
 
-def test_drafter_limits_give_the_depth_reached_and_the_kind_of_tree(build_target):
-    assert drafter_limits(MedusaHeads(MedusaConfig(hidden_size=32, vocab_size=128, num_heads=3))) == (
-        3,
-        False,
-    )
-    assert drafter_limits(_head(build_target("llama"))) == (None, True)
-    custom = Drafter()
-    assert drafter_limits(custom) == (None, True)
-    custom.max_depth = 2
-    assert drafter_limits(custom) == (2, True)
-    with pytest.raises(TypeError, match="heads must be MedusaHeads or EagleHead, got Linear"):
-        drafter_limits(torch.nn.Linear(2, 2))
+def test_drafter_limits_give_the_depth_reached_the_kind_of_tree_and_the_drafting_mode(build_target):
+    target = build_target("llama")
+    medusa = MedusaHeads(MedusaConfig(hidden_size=32, vocab_size=128, num_heads=3))
+    assert MedusaDrafter(medusa, target, 1).limits() == DraftLimits(max_depth=3, dynamic=False, block=True)
+    assert make_drafter(_head(target), target, 2).limits() == DraftLimits(max_depth=None, dynamic=True)
+    assert Drafter().limits() == DraftLimits(max_depth=None, dynamic=True, block=False)
+    with pytest.raises(
+        TypeError, match="no drafter is registered for Linear; registered: eagle3 .EagleHead."
+    ):
+        make_drafter(torch.nn.Linear(2, 2), target, 1)
 
 
 def test_draft_lm_head_is_the_targets_unless_the_draft_has_its_own(build_target):
@@ -100,7 +104,6 @@ class _SameEveryParent(Drafter):
     the depths it expands."""
 
     feature_layers = ()
-    max_depth = None
 
     def __init__(self, probs: list[float], vocab_size: int = 16) -> None:
         p = torch.full((vocab_size,), (1.0 - sum(probs)) / (vocab_size - len(probs)))
@@ -108,11 +111,11 @@ class _SameEveryParent(Drafter):
         self.logits, self.levels = p.log(), []
 
     def root_logits(self):
-        return self.logits
+        return self.logits[None]
 
-    def expand_batch(self, nodes, tokens, parents, parent_rows, depth):
+    def expand(self, parent_rows, tokens, depth):
         self.levels.append(depth)
-        return self.logits.expand(nodes.numel(), -1)
+        return self.logits.expand(1, tokens.shape[1], -1)
 
 
 def _rank_paths(tree) -> list[tuple[int, ...]]:
@@ -124,6 +127,7 @@ def _rank_paths(tree) -> list[tuple[int, ...]]:
 
 
 PROBS = [0.6, 0.3, 0.05]
+ROOT = torch.tensor([3])  # a batch of one row
 
 
 def _cumulative(path: tuple[int, ...]) -> float:
@@ -139,8 +143,8 @@ def test_a_min_prob_bound_keeps_the_nodes_at_or_above_it_and_stops_drafting_belo
     draws = {"temperature": temperature, "vocab_size": 16}
     full, bounded = _SameEveryParent(PROBS), _SameEveryParent(PROBS)
     generator = torch.Generator().manual_seed(0)
-    unbounded_tree = propose(full, 3, DynamicTree(6, 3, 20), generator=generator, **draws)
-    tree = propose(bounded, 3, DynamicTree(6, 3, 20, min_prob=0.1), generator=generator, **draws)
+    unbounded_tree = propose(full, ROOT, DynamicTree(6, 3, 20), generator=generator, **draws)[0]
+    tree = propose(bounded, ROOT, DynamicTree(6, 3, 20, min_prob=0.1), generator=generator, **draws)[0]
     expected = [p for p in _rank_paths(unbounded_tree) if _cumulative(p) >= 0.1 - 1e-9]
     # 0.6, 0.3 | 0.36, 0.18, 0.18 | 0.216 and three of 0.108 | 0.1296; depth 5 (0.078) is drafted, not kept
     assert sorted(_rank_paths(tree)) == sorted(expected) and len(expected) == 10
@@ -153,10 +157,10 @@ def test_a_min_prob_bound_keeps_the_nodes_at_or_above_it_and_stops_drafting_belo
         assert tree.tokens[1:3].tolist() == [0, 1]  # the depth-1 nodes: the top two
     # a bound above the best first draft: the root alone, nothing drafted past it
     alone = _SameEveryParent(PROBS)
-    root = propose(alone, 3, DynamicTree(6, 3, 20, min_prob=0.7), generator=generator, **draws)
+    root = propose(alone, ROOT, DynamicTree(6, 3, 20, min_prob=0.7), generator=generator, **draws)[0]
     assert len(root) == 1 and root.tokens.tolist() == [3] and alone.levels == []
     # a budget below the bound's count: the best nodes, as without a bound
     small = propose(
-        _SameEveryParent(PROBS), 3, DynamicTree(6, 3, 4, min_prob=0.1), generator=generator, **draws
-    )
+        _SameEveryParent(PROBS), ROOT, DynamicTree(6, 3, 4, min_prob=0.1), generator=generator, **draws
+    )[0]
     assert sorted(_rank_paths(small)) == [(0,), (0, 0), (0, 0, 0), (1,)]

@@ -42,7 +42,7 @@ def prompts(target):
 @pytest.fixture(scope="module")
 def plain_outputs(target, prompts):
     model, _ = target
-    return [generate(model, ids, max_new_tokens=64) for ids in prompts]
+    return [generate(model, ids, max_new_tokens=64).one for ids in prompts]
 
 
 def _heads(model, kind):
@@ -61,7 +61,7 @@ def test_random_heads_are_lossless_on_default_target(target, prompts, plain_outp
     heads, tree = _heads(model, kind)
     for ids, plain in zip(prompts, plain_outputs):
         assert plain.new_tokens == 64 or plain.stopped_at_eos
-        out = generate(model, ids, heads, max_new_tokens=64, tree=tree)
+        out = generate(model, ids, heads, max_new_tokens=64, tree=tree).one
         assert torch.equal(out.sequences, plain.sequences), f"{kind} changed the output of prompt {ids.shape}"
 
 
@@ -82,7 +82,7 @@ def test_deep_acceptance_on_default_target_is_lossless(target, prompts, plain_ou
     ranks_taken, taus = set(), []
     for index, (ids, plain) in enumerate(zip(prompts[:3], plain_outputs)):  # three prompts: CI minutes
         oracle = rank_oracle(plain.sequences[0].tolist(), model.config.vocab_size, [0.6, 0.25], seed=index)
-        out = generate(model, ids, oracle, max_new_tokens=64, tree=tree)
+        out = generate(model, ids, oracle, max_new_tokens=64, tree=tree).one
         assert torch.equal(out.sequences, plain.sequences), f"prompt {index} changed"
         taus.append(out.tau)
         ranks_taken |= {(d, r) for d, row in enumerate(out.accepted_ranks) for r, n in enumerate(row) if n}

@@ -21,12 +21,17 @@ PROMPT = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(1
 def _output(accepted, offered) -> GenerateOutput:
     return GenerateOutput(
         sequences=torch.zeros(1, 1),
-        new_tokens=0,
-        tau=1.0,
+        prompt_lengths=[1],
+        new_tokens=[0],
+        tau=[1.0],
+        steps=[0],
+        accepted_per_depth=[[]],
+        accepted_ranks=[accepted],
+        offered_ranks=[offered],
+        draft_nodes=[0],
+        stopped_at_eos=[False],
         target_forwards=1,
-        steps=0,
-        accepted_ranks=accepted,
-        offered_ranks=offered,
+        seconds=0.0,
     )
 
 
@@ -116,9 +121,9 @@ def test_measured_acceptance_predicts_tau(build_target, rank_oracle, tree):
     E[tokens] for the tree used matches the measured tau."""
     model = build_target("llama")
     probs = [0.6, 0.25]
-    sequence = generate(model, PROMPT, max_new_tokens=216).sequences[0].tolist()
+    sequence = generate(model, PROMPT, max_new_tokens=216).one.sequences[0].tolist()
     runs = [
-        generate(model, PROMPT, rank_oracle(sequence, 128, probs, seed=s), max_new_tokens=200, tree=tree)
+        generate(model, PROMPT, rank_oracle(sequence, 128, probs, seed=s), max_new_tokens=200, tree=tree).one
         for s in range(3)
     ]
     acceptance = rank_acceptance(runs)
@@ -197,7 +202,7 @@ def _adaptive(verify_cost=None, **kwargs):
 
 def test_adaptive_policy_stops_speculating_when_its_batch_accepts_nothing_and_probes_back():
     policy = _adaptive(prior_weight=2.0, decay=1.0, refit_every=1, probe_every=3)
-    first = policy(4)
+    first = policy.tree(4)
     assert first is not None and first == policy.choice(4).tree and policy.choice(4).speedup > 1.5
     rejected = [[0, 0]], [[4, 4]]  # 4 rows: each offered two depth-1 children, none taken
     policy.observe(*rejected)
@@ -205,22 +210,24 @@ def test_adaptive_policy_stops_speculating_when_its_batch_accepts_nothing_and_pr
     assert policy.rates()[1:] == [[0.8, 0.3], [0.8]]  # never offered: the calibrated rates
     for _ in range(20):
         policy.observe(*rejected)
-    assert policy(4) is None and policy(4) is None  # speculation now loses for this batch: plain steps
-    assert policy(4) is not None  # every third plain step is a probe with the best tree it knows
+    assert (
+        policy.tree(4) is None and policy.tree(4) is None
+    )  # speculation now loses for this batch: plain steps
+    assert policy.tree(4) is not None  # every third plain step is a probe with the best tree it knows
     for _ in range(30):
         policy.observe([[4, 0], [4, 0], [4]], [[4, 4], [4, 4], [4]])  # the batch turned predictable
-    assert policy(3) is not None and policy.choice(3).speedup > 1.5  # 3 rows: batch size 1's costs
+    assert policy.tree(3) is not None and policy.choice(3).speedup > 1.5  # 3 rows: batch size 1's costs
     assert policy.chosen[None] == 2 and sum(policy.chosen.values()) == 5
 
 
 def test_adaptive_policy_refits_only_every_few_steps_and_refuses_bad_settings():
     policy = _adaptive(prior_weight=1.0, decay=0.5, refit_every=3)
-    tree = policy(1)
+    tree = policy.tree(1)
     for _ in range(2):
         policy.observe([[0, 0]], [[50, 50]])
-    assert policy(1) == tree  # two observed steps: not re-picked yet
+    assert policy.tree(1) == tree  # two observed steps: not re-picked yet
     policy.observe([[0, 0]], [[50, 50]])
-    assert policy(1) is None
+    assert policy.tree(1) is None
     for bad, message in (
         ({"prior_weight": 0.0}, "prior_weight must be > 0"),
         ({"decay": 1.5}, "decay must be in"),
@@ -242,27 +249,27 @@ def test_adaptive_policy_follows_what_its_steps_cost():
         return _adaptive({4: costs}, **settings, **kwargs)
 
     timed = policy(time_prior=1.0)
-    assert timed(4) is None and timed.choice(4).speedup == pytest.approx(1.0)
+    assert timed.tree(4) is None and timed.choice(4).speedup == pytest.approx(1.0)
     timed.record_time(0.010)  # a plain step as calibrated
     assert timed.time_scale("plain") == pytest.approx(1.0) and timed.time_scale("spec") == 1.0
-    probe = timed(4)  # every second plain step is a probe
+    probe = timed.tree(4)  # every second plain step is a probe
     assert probe is not None
     _, best = timed._picked(4)
     predicted = best.verify_seconds + best.propose_seconds
     timed.observe([], [])  # the probe's counts (none here: the rates stay the calibrated ones)
     timed.record_time(0.5 * predicted)
     assert timed.time_scale("spec") == pytest.approx(0.75)
-    assert timed(4) == probe and timed.choice(4).speedup > 1.0  # speculation now pays
+    assert timed.tree(4) == probe and timed.choice(4).speedup > 1.0  # speculation now pays
     timed.observe([], [])
     timed.record_time(3 * predicted)  # the speculative step turns slow
     timed.record_time(3 * predicted)  # no step handed out since: not counted
     assert timed.time_scale("spec") == pytest.approx((1 + 0.5 + 3) / 3)
-    assert timed(4) is None  # plain again
+    assert timed.tree(4) is None  # plain again
     assert timed.chosen[None] == 2 and timed.chosen[probe] == 2
 
     untimed = policy(time_prior=None)
     for step in range(6):
-        tree = untimed(4)
+        tree = untimed.tree(4)
         assert (tree is None) == (step % 2 == 0)  # plain, then a probe, again and again
         untimed.observe([], [])
         untimed.record_time(0.1 if tree is not None else 0.010)
@@ -275,7 +282,7 @@ def test_adaptive_policy_decays_each_time_factor_by_its_own_steps():
     """A speculative step measured at 3x its calibrated time, then plain steps: the speculative factor keeps
     its evidence (plain runs must not bring back a speculation measured to lose), the plain one decays."""
     policy = _adaptive(prior_weight=1.0, decay=0.5, refit_every=1, probe_every=0, time_prior=1.0)
-    assert policy(4) is not None
+    assert policy.tree(4) is not None
     policy.record_time(3 * policy.handed[1])
     assert policy.time_scale("spec") == pytest.approx((1 + 3) / 2)
     for _ in range(3):

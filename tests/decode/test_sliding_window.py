@@ -5,7 +5,7 @@ single-sequence decoding, where the target applies its own window and stays exac
 import pytest
 import torch
 
-from decode import generate, generate_batch
+from decode import generate
 from decode.inputs import window_limit
 from heads.medusa import MedusaConfig, MedusaHeads
 
@@ -38,12 +38,12 @@ def test_the_limit_is_what_the_window_cache_keeps(windowed):
 
 def test_speculative_decoding_inside_the_window_is_exact(windowed):
     # the last step verifies chain4's 5 tokens behind 4 prompt + 2 committed tokens: 11 columns
-    out = generate(windowed, PROMPT, _heads(), max_new_tokens=4, tree="chain4")
+    out = generate(windowed, PROMPT, _heads(), max_new_tokens=4, tree="chain4").one
     assert out.sequences[0].tolist() == _recomputed(windowed, 4)
 
 
 def test_plain_decoding_past_the_window_is_exact(windowed):
-    out = generate(windowed, PROMPT, max_new_tokens=3 * WINDOW)
+    out = generate(windowed, PROMPT, max_new_tokens=3 * WINDOW).one
     assert out.sequences[0].tolist() == _recomputed(windowed, 3 * WINDOW)
 
 
@@ -53,7 +53,7 @@ def test_plain_decoding_past_the_window_is_exact(windowed):
         lambda m: generate(m, PROMPT, _heads(), max_new_tokens=5, tree="chain4"),
         lambda m: generate(m, PROMPT.repeat(2, 1), _heads(), max_new_tokens=5, tree="chain4"),
         lambda m: generate(m, PROMPT.repeat(2, 1), max_new_tokens=WINDOW),  # batched plain decoding too
-        lambda m: generate_batch(
+        lambda m: generate(
             m, torch.zeros(1, WINDOW, dtype=torch.long), max_new_tokens=1, tree=lambda r: None
         ),
     ],
@@ -69,6 +69,4 @@ def test_outgrowing_the_window_is_refused_before_decoding(windowed, call):
 def test_a_policy_is_stopped_at_the_step_that_would_outgrow_the_window(windowed):
     """A policy picks each step's tree, so its request is checked step by step."""
     with pytest.raises(ValueError, match=r"a step verifying 5 tokens needs 1[2-9] cache columns"):
-        generate_batch(
-            windowed, PROMPT.repeat(2, 1), heads=_heads(), max_new_tokens=12, tree=lambda rows: "chain4"
-        )
+        generate(windowed, PROMPT.repeat(2, 1), _heads(), max_new_tokens=12, tree=lambda rows: "chain4")

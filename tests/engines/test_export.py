@@ -69,7 +69,7 @@ def make_head(kind: str, target, **overrides):
 
 
 def _decode(target, head):
-    out = generate(target, PROMPT, head, max_new_tokens=16)
+    out = generate(target, PROMPT, head, max_new_tokens=16).one
     return out.sequences.tolist(), out.tau, out.accepted_per_depth
 
 

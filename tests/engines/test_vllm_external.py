@@ -138,7 +138,7 @@ def ours(model, head, prompts) -> tuple[list[list[int]], int, list[int]]:
     for ids in prompts:
         out = generate(
             model, torch.tensor([ids]), head, tree=chain(DRAFTS) if head else None, max_new_tokens=NEW_TOKENS
-        )
+        ).one
         tokens.append(out.sequences[0, len(ids) :].tolist())
         steps += out.steps
         for position, count in enumerate(out.accepted_per_depth):

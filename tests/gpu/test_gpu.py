@@ -42,8 +42,8 @@ def test_random_eagle3_head_on_cuda_equals_plain_decoding(tiny_llama, tree):
     head.set_draft_vocab(torch.randperm(V)[:64])
     head = head.to(tiny_llama.device).eval()
     prompt = PROMPT.to(DEVICE)
-    plain = generate(tiny_llama, prompt, max_new_tokens=N)
-    spec = generate(tiny_llama, prompt, head, max_new_tokens=N, tree=TREES[tree])
+    plain = generate(tiny_llama, prompt, max_new_tokens=N).one
+    spec = generate(tiny_llama, prompt, head, max_new_tokens=N, tree=TREES[tree]).one
     assert spec.sequences.device.type == DEVICE
     assert torch.equal(spec.sequences, plain.sequences) and spec.new_tokens == N
 
@@ -52,7 +52,7 @@ def test_accepted_tree_paths_on_cuda_equal_plain_decoding(tiny_llama, rank_oracl
     """A drafter that knows the plain continuation (tests/conftest.py's RankOracle, its logits moved onto
     the GPU) gets long, branching paths accepted: verification, acceptance and cache compaction on CUDA."""
     prompt = PROMPT.to(DEVICE)
-    plain = generate(tiny_llama, prompt, max_new_tokens=N + 8)
+    plain = generate(tiny_llama, prompt, max_new_tokens=N + 8).one
     with torch.no_grad():
         features = tiny_llama(plain.sequences, output_hidden_states=True).hidden_states[-1][0]  # (T+N+8, H)
 
@@ -64,7 +64,7 @@ def test_accepted_tree_paths_on_cuda_equal_plain_decoding(tiny_llama, rank_oracl
             return super().expand(nodes, tokens, parents, depth).to(DEVICE)
 
     oracle = OnDevice(plain.sequences[0].tolist(), V, [1 / 3, 1 / 3, 1 / 3], features=features)
-    spec = generate(tiny_llama, prompt, oracle, max_new_tokens=N, tree=TREES["dynamic"])
+    spec = generate(tiny_llama, prompt, oracle, max_new_tokens=N, tree=TREES["dynamic"]).one
     assert torch.equal(spec.sequences, plain.sequences[:, : PROMPT.shape[1] + N])
     assert spec.tau > 2.0  # paths were accepted, so the check above covered accepted-token bookkeeping
 

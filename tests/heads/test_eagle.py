@@ -5,7 +5,7 @@ its ancestor path, so its output equals running the head causally on that path."
 import pytest
 import torch
 
-from decode.propose import EagleDrafter
+from decode.drafters.eagle import EagleDrafter
 from heads.eagle import EagleConfig, EagleHead
 
 H, V, VD = 32, 128, 64
@@ -173,7 +173,7 @@ def _path_tokens(node: int, parents: list[int], tokens: list[int]) -> list[int]:
 @pytest.mark.parametrize("head_type", ["eagle1", "eagle3"])
 def test_draft_tree_attention_equals_causal(llama, head_type, levels):
     head = _head(llama.config, head_type)
-    drafter = EagleDrafter(head, llama)
+    drafter = EagleDrafter(head, llama, 1)
     gen = torch.Generator().manual_seed(3)
     width = len(head.feature_layers) * H
     raw = torch.randn(9, width, generator=gen)
@@ -181,29 +181,33 @@ def test_draft_tree_attention_equals_causal(llama, head_type, levels):
     committed = 0
     with torch.no_grad():
         for new in (6, 3):  # two proposals: the second checks end_proposal() dropped the first tree's KV
-            drafter.advance(raw[committed : committed + new], next_tokens[committed : committed + new])
+            drafter.advance([raw[committed : committed + new]], [next_tokens[committed : committed + new]])
             committed += new
-            assert drafter.committed == committed and len(drafter.cache) == committed
+            assert drafter.host_counts == [committed] and len(drafter.cache) == committed
             feats = head.project_features(raw[None, :committed])
             tokens = next_tokens[:committed]
             parents, node_tokens = [-1], [int(tokens[-1])]
+            row_of = {0: -1}  # node -> where it was expanded in this proposal (-1: the root)
             root_ref = _causal_path_outputs(head, drafter, feats, tokens, [])[0]
             torch.testing.assert_close(
-                drafter.root_logits(), head.logits(root_ref, llama.lm_head), atol=1e-5, rtol=0
+                drafter.root_logits()[0], head.logits(root_ref, llama.lm_head), atol=1e-5, rtol=0
             )
             for depth, level in enumerate(levels, start=1):
                 nodes = list(range(len(parents), len(parents) + len(level)))
                 level_tokens = torch.randint(0, V, (len(level),), generator=gen)
                 parents += level
                 node_tokens += level_tokens.tolist()
-                logits = drafter.expand(nodes, level_tokens, level, depth)
+                parent_rows = torch.tensor([[row_of[p] for p in level]])
+                logits = drafter.expand(parent_rows, level_tokens[None], depth)[0]
+                row_of.update({node: len(row_of) - 1 + i for i, node in enumerate(nodes)})
                 assert logits.shape == (len(nodes), V if head_type == "eagle1" else VD)
+                outputs = torch.cat(drafter._rows, dim=1)[0]  # each expanded node's output, by row
                 for row, node in enumerate(nodes):
                     path = _path_tokens(node, parents, node_tokens)
                     assert len(path) == depth
                     expected = _causal_path_outputs(head, drafter, feats, tokens, path)[-1]
                     # the node's output feature (private state: it feeds the node's children)
-                    torch.testing.assert_close(drafter._hidden[node], expected, atol=1e-5, rtol=0)
+                    torch.testing.assert_close(outputs[row_of[node]], expected, atol=1e-5, rtol=0)
                     torch.testing.assert_close(
                         logits[row], head.logits(expected, llama.lm_head), atol=1e-5, rtol=0
                     )

@@ -223,8 +223,8 @@ def test_committed_head_loads_against_the_default_target_and_decodes_as_the_targ
     tokens = steps = 0
     for row in prompts["chat"]:  # one prompt alone is too few: a short reply can be one the draft misses
         ids = prompt_ids(tokenizer, row)
-        plain = generate(model, ids, None, max_new_tokens=32)
-        spec = generate(model, ids, heads, max_new_tokens=32)
+        plain = generate(model, ids, None, max_new_tokens=32).one
+        spec = generate(model, ids, heads, max_new_tokens=32).one
         assert torch.equal(spec.sequences, plain.sequences)
         tokens, steps = tokens + spec.new_tokens - 1, steps + spec.steps  # prefill's token: no verify pass
     tau = tokens / steps

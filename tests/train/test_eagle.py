@@ -78,8 +78,8 @@ def test_smoke_export_round_trips_and_decodes_losslessly(
         tokenize=False,
     )
     prompt = tokenizer(text, return_tensors="pt").input_ids
-    plain = generate(target, prompt, None, max_new_tokens=12, eos_token_id=[])
-    drafted = generate(target, prompt, head, max_new_tokens=12, eos_token_id=[])
+    plain = generate(target, prompt, None, max_new_tokens=12, eos_token_id=[]).one
+    drafted = generate(target, prompt, head, max_new_tokens=12, eos_token_id=[]).one
     assert plain.new_tokens == 12
     assert drafted.sequences.tolist() == plain.sequences.tolist()
 

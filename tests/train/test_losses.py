@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from decode.propose import EagleDrafter
+from decode.drafters.eagle import EagleDrafter
 from heads import EagleConfig, EagleHead, FeatureCapture, MedusaConfig, MedusaHeads
 from train.losses import eagle1_loss, eagle3_ttt_loss, medusa_loss, ttt_attention_mask
 
@@ -81,13 +81,12 @@ def test_ttt_steps_equal_decode_time_chain_drafting(target, depth, norms):
     head.logits = original
     t = 8  # the query position checked
     committed = t - depth + 1  # draft positions holding verified features
-    drafter = EagleDrafter(head, target)
-    drafter.advance(feats[0, :committed], ids[0, 1 : committed + 1])
-    node_logits, parent = drafter.root_logits(), 0
-    for d in range(1, depth + 1):
+    drafter = EagleDrafter(head, target, 1)
+    drafter.advance([feats[0, :committed]], [ids[0, 1 : committed + 1]])
+    node_logits = drafter.root_logits()[0]
+    for d in range(1, depth + 1):  # a chain: each node's parent is the node expanded before it (row d - 2)
         token = ids[0, committed + d : committed + d + 1]
-        node_logits = drafter.expand([d], token, [parent], d)[0]
-        parent = d
+        node_logits = drafter.expand(torch.tensor([[d - 2]]), token[None], d)[0, 0]
     torch.testing.assert_close(node_logits, captured["steps"][depth][0, t], atol=1e-5, rtol=1e-5)
 
 

@@ -31,8 +31,8 @@ def test_medusa1_trains_exports_and_decodes_losslessly(tmp_path, overrides, tiny
     for key, value in heads.state_dict().items():
         assert torch.equal(value, state[f"heads.{key}"]), key
     ids = torch.tensor([[1, 2, 3, 4, 5]])
-    plain = generate(model, ids, max_new_tokens=16)
-    assert torch.equal(generate(model, ids, heads, max_new_tokens=16).sequences, plain.sequences)
+    plain = generate(model, ids, max_new_tokens=16).one
+    assert torch.equal(generate(model, ids, heads, max_new_tokens=16).one.sequences, plain.sequences)
 
 
 def test_medusa1_resume_equals_uninterrupted(tmp_path, overrides, run_recipe):
@@ -105,8 +105,8 @@ def test_medusa2_trains_lora_after_heads_only_stage(tmp_path, overrides, tiny_ta
     ids = torch.tensor([[1, 2, 3, 4, 5]])
     assert not torch.allclose(merged(ids).logits, base(ids).logits)  # the adapter changed the target
     heads = load_heads(out / "head", target=merged)
-    plain = generate(merged, ids, max_new_tokens=16)
-    assert torch.equal(generate(merged, ids, heads, max_new_tokens=16).sequences, plain.sequences)
+    plain = generate(merged, ids, max_new_tokens=16).one
+    assert torch.equal(generate(merged, ids, heads, max_new_tokens=16).one.sequences, plain.sequences)
     if can_onednn():  # a target already holding oneDNN copies: the merge is seen, the old copies never read
         prepared = load_target(str(tiny_target_dir))[0]
         onednn_linears(prepared)

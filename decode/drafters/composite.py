@@ -1,0 +1,107 @@
+"""Two (or more) drafters in one tree under one node budget: each node's draft distribution is a mixture of
+its parts' distributions over the target's vocabulary, q = sum_i w_i q_i, so one tree growth ranks every
+part's candidates together (a dynamic tree's budget goes to the best of them, whoever proposed them) and the
+lossless rule samples against the q the children were drawn from, as for any drafter.
+
+For example EAGLE-3 plus n-gram lookup: where the text copies from its context the n-gram part puts almost
+all of its weight on the copied token, which then leads the node's children; elsewhere it is flat and the
+EAGLE-3 part's candidates lead.
+
+Every part sees the same calls (the same nodes, in the same order); a part that taps the target gets its
+own layers' slice of the features the composite taps (the union of the parts' layers, in order).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from decode.drafter import Drafter, DraftLimits
+
+
+@dataclass(frozen=True, eq=False)
+class Composite:
+    """A draft source made of other draft sources: `Composite([eagle_head, Ngram()], weights=[0.5, 0.5])`."""
+
+    parts: list
+    weights: list[float] = field(default_factory=list)  # mixture weights (normalised); [] = equal
+
+    def __post_init__(self) -> None:
+        if len(self.parts) < 2:
+            raise ValueError(f"a Composite needs at least two parts, got {len(self.parts)}")
+        if self.weights and (len(self.weights) != len(self.parts) or min(self.weights) <= 0):
+            raise ValueError(f"weights must be {len(self.parts)} positive numbers, got {self.weights}")
+
+
+def part_models(source: Composite) -> list[nn.Module]:
+    """What `decode.prepare` lays out for the parts: their head modules and their draft models."""
+    from heads.registry import kind_of
+
+    models = []
+    for part in source.parts:
+        kind = kind_of(part)
+        models += [part] if kind.head_types else (kind.part("models")(part) if kind.models else [])
+    return models
+
+
+class CompositeDrafter(Drafter):
+    """`Composite`'s drafter for a batch (see the module docstring)."""
+
+    def __init__(self, source: Composite, target: nn.Module, batch: int) -> None:
+        from decode.drafters import make_drafter  # the registry's factory (this module is one of its kinds)
+
+        self.parts = [make_drafter(part, target, batch) for part in source.parts]
+        weights = source.weights or [1.0] * len(self.parts)
+        self.weights = [w / sum(weights) for w in weights]
+        self.vocab_size = target.get_output_embeddings().weight.shape[0]
+        self.feature_layers = tuple(dict.fromkeys(layer for p in self.parts for layer in p.feature_layers))
+        # where each part's layers sit among the composite's (features are concatenated per layer)
+        self.slices = [[self.feature_layers.index(layer) for layer in p.feature_layers] for p in self.parts]
+
+    def limits(self) -> DraftLimits:
+        depths = [p.limits().max_depth for p in self.parts if p.limits().max_depth is not None]
+        return DraftLimits(
+            max_depth=min(depths) if depths else None,
+            dynamic=True,
+            block=all(p.limits().block for p in self.parts),
+        )
+
+    def start(self, prompts):
+        for part in self.parts:
+            part.start(prompts)
+
+    def advance(self, features, tokens):
+        for part, layers in zip(self.parts, self.slices):
+            if not layers:
+                part.advance(None, tokens)
+                continue
+            width = features[0].shape[-1] // len(self.feature_layers)
+            columns = torch.cat([torch.arange(i * width, (i + 1) * width) for i in layers])
+            part.advance([f[:, columns.to(f.device)] for f in features], tokens)
+
+    def _mixture(self, logits: list[Tensor]) -> Tensor:
+        """log of the weighted mixture of the parts' softmaxes, over the target's vocabulary."""
+        mixed = None
+        for part, weight, part_logits in zip(self.parts, self.weights, logits):
+            probs = torch.softmax(part_logits.float(), dim=-1) * weight
+            full = probs.new_zeros(*probs.shape[:-1], self.vocab_size)
+            ids = part.to_target_ids(torch.arange(probs.shape[-1], device=probs.device))
+            full[..., ids] = probs
+            mixed = full if mixed is None else mixed + full
+        return mixed.clamp_min(1e-30).log()
+
+    def root_logits(self):
+        return self._mixture([p.root_logits() for p in self.parts])
+
+    def expand(self, parent_rows, tokens, depth):
+        return self._mixture([p.expand(parent_rows, tokens, depth) for p in self.parts])
+
+    def end_proposal(self):
+        for part in self.parts:
+            part.end_proposal()
+
+    def select(self, rows):
+        for part in self.parts:
+            part.select(rows)

@@ -1,0 +1,165 @@
+"""The drafters that plug in through the registry without edits to the loop: n-gram lookup
+(decode/drafters/ngram.py), a separate draft model (decode/drafters/model.py, with targets/layer_draft.py's
+draft made of the target's first layers) and a composite (decode/drafters/composite.py). Greedy output equals
+plain decoding, alone and in batches; their trees are what they claim (copied continuations, a draft model's
+tree attention); sampling is in test_lossless_sampling.py."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from decode import DynamicTree, generate
+from decode.batch import left_padded
+from decode.drafters import make_drafter
+from decode.drafters.composite import Composite, CompositeDrafter
+from decode.drafters.eagle import EagleDrafter
+from decode.drafters.model import DraftModel
+from decode.drafters.ngram import Ngram, NgramDrafter
+from decode.propose import propose
+from decode.tree import build_tree, chain
+from heads import EagleConfig, EagleHead, FeatureCapture
+from targets.layer_draft import layer_draft, save_layer_draft
+
+PROMPT = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(4))
+N = 40
+DYNAMIC = DynamicTree(depth=4, top_k=3, total_tokens=10)
+# a static tree holding the rank-0 chain to depth 3 among siblings: a self-draft must take all of that chain
+CHAIN_AND_SIBLINGS = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
+
+
+def _plain(model, ids=PROMPT, n=N) -> list[int]:
+    return generate(model, ids, max_new_tokens=n).one.sequences[0].tolist()
+
+
+def _sources(model):
+    torch.manual_seed(0)
+    return {
+        "ngram": Ngram(),
+        "draft_model": DraftModel(layer_draft(model, 1)),
+        "composite": Composite([EagleHead(EagleConfig.from_target(model.config, "eagle3")).eval(), Ngram()]),
+    }
+
+
+@pytest.mark.parametrize("kind", ["ngram", "draft_model", "composite"])
+@pytest.mark.parametrize("tree", [DYNAMIC, chain(3), CHAIN_AND_SIBLINGS], ids=["dynamic", "chain", "static"])
+def test_greedy_output_equals_plain_decoding(tiny_target, kind, tree):
+    out = generate(tiny_target, PROMPT, _sources(tiny_target)[kind], max_new_tokens=N, tree=tree).one
+    assert out.sequences[0].tolist() == _plain(tiny_target)
+    assert out.new_tokens == N and out.steps == out.target_forwards - 1 and out.draft_nodes > 0
+
+
+@pytest.mark.parametrize("kind", ["ngram", "draft_model", "composite"])
+def test_batched_rows_equal_each_prompt_alone(build_target, kind):
+    model = build_target("qwen2")
+    prompts = [torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(n)) for n in (9, 4, 13)]
+    ids, mask = left_padded(prompts, 0)
+    source = _sources(model)[kind]
+    batch = generate(model, ids, source, max_new_tokens=24, attention_mask=mask, tree=DYNAMIC)
+    for row, prompt in enumerate(prompts):
+        alone = generate(model, prompt, source, max_new_tokens=24, tree=DYNAMIC).one
+        assert (
+            batch.replies[row]
+            == alone.sequences[0, prompt.numel() :].tolist()
+            == _plain(model, prompt, 24)[prompt.numel() :]
+        )
+        assert batch.steps[row] == alone.steps and batch.accepted_per_depth[row] == alone.accepted_per_depth
+
+
+def test_the_target_drafting_for_itself_is_always_accepted(any_target):
+    """`layer_draft` with every layer is the target: its rank-0 chain is always right, so every step takes the
+    whole chain of the tree (depth 3 + the bonus token). Wrong tree masks or positions in the draft model's
+    cache would make some of its drafts differ from the target's own choice."""
+    layers = any_target.config.num_hidden_layers
+    source = DraftModel(layer_draft(any_target, layers))
+    out = generate(any_target, PROMPT, source, max_new_tokens=N, tree=CHAIN_AND_SIBLINGS).one
+    assert out.sequences[0].tolist() == _plain(any_target)
+    assert out.accepted_per_depth == [out.steps] * 3 and out.tau == pytest.approx((N - 1) / out.steps)
+    assert out.steps == -(-(N - 1) // 4)  # every step emits 4 tokens (the last may be cut short)
+
+
+def test_a_layer_draft_is_the_targets_first_layers_and_saves_as_an_ordinary_model(build_target, tmp_path):
+    model = build_target("qwen2")
+    draft = layer_draft(model, 2)
+    assert draft.config.num_hidden_layers == 2 and len(draft.model.layers) == 2
+    for name, weight in draft.named_parameters():
+        assert torch.equal(weight, model.get_parameter(name)), name
+    with FeatureCapture(model, [1]) as capture:  # the draft's last layer output = the target's layer 1 output
+        model(PROMPT)
+        hidden = capture.features()
+    draft_out = draft(PROMPT, output_hidden_states=True)
+    torch.testing.assert_close(
+        draft_out.logits, model.lm_head(draft.model.norm(hidden)), atol=1e-5, rtol=1e-5
+    )
+    folder = save_layer_draft(model, 2, tmp_path / "draft")
+    loaded = AutoModelForCausalLM.from_pretrained(folder).eval()
+    torch.testing.assert_close(loaded(PROMPT).logits, draft_out.logits)
+    with pytest.raises(ValueError, match=r"num_layers must be in \[1, 4\]"):
+        layer_draft(model, 5)
+
+
+def test_a_draft_model_over_another_vocabulary_is_refused(build_target):
+    model, other = build_target("llama"), build_target("llama", vocab_size=96)
+    with pytest.raises(ValueError, match="the draft model scores 96 tokens, the target 128"):
+        generate(model, PROMPT, DraftModel(other), max_new_tokens=4)
+
+
+def test_ngram_drafts_the_continuation_of_the_longest_earlier_match(build_target):
+    """Text `5 6 7 8 | 5 6 9 | 5 6` (the root last): after `5 6` came 7 then 9, so the root's children are 7
+    and 9 (each seen once; the longer suffix `x 5 6` matches nothing); below 9 the path `5 6 9` matched once,
+    so its child is 5; and the tree is grown from those scores by the one growth engine."""
+    model = build_target("llama")
+    drafter = NgramDrafter(Ngram(max_ngram=3), model, 1)
+    text = torch.tensor([5, 6, 7, 8, 5, 6, 9, 5, 6])
+    drafter.start([text[:4]])
+    drafter.advance(None, [text[1:]])
+    root = drafter.root_logits()[0]
+    assert set(torch.topk(root, 2).indices.tolist()) == {7, 9} and root[7] == root[9] > root[8] + 20
+    (tree,) = propose(
+        drafter, text[-1:], build_tree(chain(3)), temperature=0.0, generator=None, vocab_size=128
+    )
+    assert tree.tokens.tolist()[1:] in ([7, 8, 5], [9, 5, 6])  # a copy of what followed, whichever first
+    logits = drafter.expand(torch.tensor([[-1]]), torch.tensor([[9]]), 1)[0, 0]  # below 9: `5 6 9` -> 5
+    assert int(logits.argmax()) == 5
+
+
+def test_ngram_drafts_are_taken_where_the_text_repeats_itself(build_target):
+    """A tiny random target's greedy text falls into a loop; once it does, lookup drafts the loop and the
+    target takes whole chains of it: far fewer steps than tokens."""
+    model = build_target("mistral")
+    out = generate(model, PROMPT, Ngram(), max_new_tokens=120, tree=chain(4)).one
+    assert out.sequences[0].tolist() == _plain(model, PROMPT, 120)
+    assert out.tau > 2.0 and out.accepted_per_depth[0] > out.steps / 2
+
+
+def test_a_composite_gives_each_part_its_own_features_and_mixes_their_drafts(build_target):
+    """EAGLE-3 (three taps) and EAGLE-1 (the last layer) in one composite: each part drafts exactly as it
+    would alone (the composite slices its part of the features it taps), and the composite's draft
+    distribution is the weighted mixture of theirs."""
+    model = build_target("llama")
+    torch.manual_seed(1)
+    eagle3 = EagleHead(EagleConfig.from_target(model.config, "eagle3")).eval()
+    eagle1 = EagleHead(EagleConfig.from_target(model.config, "eagle1")).eval()
+    composite = make_drafter(Composite([eagle3, eagle1], weights=[3, 1]), model, 1)
+    assert isinstance(composite, CompositeDrafter)
+    assert set(composite.feature_layers) == set(eagle3.feature_layers) | set(eagle1.feature_layers)
+    with FeatureCapture(model, composite.feature_layers) as capture:
+        model(PROMPT)
+        features = capture.features()[0]
+    tokens = torch.cat([PROMPT[0, 1:], torch.tensor([3])])
+    composite.start([PROMPT[0]])
+    composite.advance([features], [tokens])
+    mixed = torch.zeros(128)
+    for head, weight in ((eagle3, 0.75), (eagle1, 0.25)):
+        alone = EagleDrafter(head, model, 1)
+        with FeatureCapture(model, head.feature_layers) as capture:
+            model(PROMPT)
+            alone.advance([capture.features()[0]], [tokens])
+        mixed += weight * torch.softmax(alone.root_logits()[0], -1)
+    torch.testing.assert_close(composite.root_logits()[0].exp(), mixed, atol=1e-6, rtol=1e-5)
+
+
+def test_every_part_of_a_composite_must_be_a_draft_source():
+    with pytest.raises(ValueError, match="at least two parts"):
+        Composite([Ngram()])
+    with pytest.raises(ValueError, match="weights must be 2 positive numbers"):
+        Composite([Ngram(), Ngram()], weights=[1.0, 0.0])
