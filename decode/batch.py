@@ -225,7 +225,7 @@ def commit(state: BatchState, keep: list[list[int]], tree_size: int, path: Tenso
     if state.full:  # one row: keep its path by a crop or one index per layer
         kept = len(keep[0])
         compact_cache(state.cache, before, keep[0], path[0, :kept] if path is not None else None)
-        state.valid = state.valid.new_ones(1, before + kept)
+        state.valid = state.valid[:, :1].expand(1, before + kept)  # all valid, as a view: nothing written
         state.ends, state.lengths = state.ends + kept, state.lengths + kept
         state.host_ends = [state.host_ends[0] + kept]
         return

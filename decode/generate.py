@@ -141,6 +141,16 @@ def _check_heads(heads, model: nn.Module) -> None:
             )
 
 
+def _stacked(tensors: list[Tensor]) -> Tensor:
+    """`torch.stack`, without a copy for a batch of one (a view)."""
+    return tensors[0][None] if len(tensors) == 1 else torch.stack(tensors)
+
+
+def _joined(tensors: list[Tensor]) -> Tensor:
+    """`torch.cat`, without a copy for one tensor."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+
+
 def _padded(path: Tensor, width: int) -> Tensor:
     """`path` (P,) cut or padded with -1 to `width` entries (on the device: nothing read back)."""
     if path.numel() >= width:
@@ -312,8 +322,8 @@ def generate(
 
         def catch_up() -> None:
             """The drafter takes in every row's pending positions, in one call."""
-            tokens = [torch.cat([t for _, t in pending[r]]) for r in rows]
-            feats = [torch.cat([f for f, _ in pending[r]]) for r in rows] if capture is not None else None
+            tokens = [_joined([t for _, t in pending[r]]) for r in rows]
+            feats = [_joined([f for f, _ in pending[r]]) for r in rows] if capture is not None else None
             drafter.advance(feats, tokens)
             for r in rows:
                 pending[r].clear()
@@ -335,7 +345,7 @@ def generate(
             drafted_last = spec is not None
             trees = propose(
                 drafter if spec is not None else None,
-                torch.cat([roots[r] for r in rows]),
+                _joined([roots[r] for r in rows]),
                 spec,
                 temperature=temperature,
                 generator=generator,
@@ -343,13 +353,13 @@ def generate(
             )
             size = len(trees[0])
             check_window(window, state.columns + size, f"a step verifying {size} tokens")
-            tokens = torch.stack([t.tokens for t in trees])  # (B, N)
+            tokens = _stacked([t.tokens for t in trees])  # (B, N)
             logits, step_features = verify_batch(
                 model,
                 state,
                 tokens,
-                torch.stack([t.depths for t in trees]),
-                torch.stack([t.ancestors for t in trees]),
+                _stacked([t.depths for t in trees]),
+                _stacked([t.ancestors for t in trees]),
                 capture,
             )
             forwards += 1
@@ -366,12 +376,12 @@ def generate(
                     for i, draft in enumerate(trees)
                 ]
             depth = min(max(path.numel() for path, _ in accepted), size)  # a path is at most the tree
-            paths = torch.stack([_padded(path, depth) for path, _ in accepted])  # (B, P), -1 padded
-            bonuses = torch.stack([bonus.reshape(()) for _, bonus in accepted])  # (B,)
+            paths = _stacked([_padded(path, depth) for path, _ in accepted])  # (B, P), -1 padded
+            bonuses = _stacked([bonus.reshape(()) for _, bonus in accepted])  # (B,)
             parts = [paths.flatten(), bonuses, tokens.flatten()]
             if size > 1:  # the trees' shapes, for the statistics
-                parts += [torch.stack([t.parents for t in trees]).flatten()]
-                parts += [torch.stack([t.ranks for t in trees]).flatten()]
+                parts += [_stacked([t.parents for t in trees]).flatten()]
+                parts += [_stacked([t.ranks for t in trees]).flatten()]
             # the step's one read of the device, for every row: paths, bonus tokens, tree tokens (and shapes)
             host = torch.cat([part.to(paths.device) for part in parts]).tolist()
             count = len(rows)
