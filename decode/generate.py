@@ -253,7 +253,7 @@ def generate(
     batch = input_ids.shape[0]
     drafter = make_drafter(heads, model, batch) if heads is not None else None
     policy = as_policy(tree)
-    resolved: dict = {}  # tree spec -> its resolved form (a policy hands out a few specs, again and again)
+    resolved: dict = {}  # id(tree spec) -> (spec, resolved form): a policy hands out a few, again and again
 
     def spec_for(rows_alive: int):
         """The tree of this step: `tree` itself, or what the policy picks (None: plain)."""
@@ -262,13 +262,15 @@ def generate(
         wanted = policy.tree(rows_alive) if policy is not None else tree
         if policy is not None and wanted is None:
             return None
-        key = repr(wanted)
-        if key not in resolved:
+        known = resolved.get(id(wanted))
+        if known is None or known[0] is not wanted:  # (the spec is kept, so its id is not reused meanwhile)
             limits = drafter.limits()
-            resolved[key] = resolve_tree(
-                wanted, max_depth=limits.max_depth, dynamic=limits.dynamic, device=model.device
+            known = (
+                wanted,
+                resolve_tree(wanted, max_depth=limits.max_depth, dynamic=limits.dynamic, device=model.device),
             )
-        return resolved[key]
+            resolved[id(wanted)] = known
+        return known[1]
 
     # a sliding-window target: refused before any work when the tree is known (the last step verifies it
     # behind the prompt and all but the newest of max_new_tokens - 1 tokens), else step by step
