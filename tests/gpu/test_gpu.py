@@ -60,8 +60,8 @@ def test_accepted_tree_paths_on_cuda_equal_plain_decoding(tiny_llama, rank_oracl
         def root_logits(self):
             return super().root_logits().to(DEVICE)
 
-        def expand(self, nodes, tokens, parents, depth):
-            return super().expand(nodes, tokens, parents, depth).to(DEVICE)
+        def expand(self, parent_rows, tokens, depth):
+            return super().expand(parent_rows, tokens, depth).to(DEVICE)
 
     oracle = OnDevice(plain.sequences[0].tolist(), V, [1 / 3, 1 / 3, 1 / 3], features=features)
     spec = generate(tiny_llama, prompt, oracle, max_new_tokens=N, tree=TREES["dynamic"]).one
