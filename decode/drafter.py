@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,22 @@ class Drafter:
 
     def to_target_ids(self, draft_ids: Tensor) -> Tensor:
         return draft_ids
+
+
+def tree_visibility(levels: list[Tensor], parent_rows: Tensor) -> Tensor:
+    """(B, n, R) bool: which of a proposal's R earlier expanded entries each of n new nodes per row may attend
+    to (its parent's ancestors and the parent itself; nothing for children of the root), for drafters that
+    keep a KV entry per expanded node (tree attention in a draft cache). `levels`: what this returned for the
+    proposal's earlier `expand` calls, in order; `parent_rows` (B, n) as `Drafter.expand` gets them."""
+    batch, n = parent_rows.shape
+    cached = sum(level.shape[1] for level in levels)
+    if not levels:
+        return torch.zeros(batch, n, 0, dtype=torch.bool, device=parent_rows.device)
+    previous = torch.cat([nn.functional.pad(level, (0, cached - level.shape[-1])) for level in levels], 1)
+    index = parent_rows.clamp(min=0)[:, :, None]
+    from_parent = previous.gather(1, index.expand(-1, -1, cached))
+    parent = index == torch.arange(cached, device=parent_rows.device)  # one_hot would read the range back
+    return (from_parent | parent) & (parent_rows >= 0)[:, :, None]
 
 
 class RowDrafters(Drafter):

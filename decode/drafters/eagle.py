@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import pad_sequence
 
-from decode.drafter import Drafter, DraftLimits
+from decode.drafter import Drafter, DraftLimits, tree_visibility
 from decode.drafters.lm_head import draft_lm_head, float_dtype
 from decode.fused import fused_step
 from heads.eagle import DraftCache, EagleHead, additive_mask
@@ -123,18 +123,7 @@ class EagleDrafter(Drafter):
         outputs = torch.cat([self.root_hidden[:, None], expanded], dim=1)  # (B, 1 + R, H)
         index = (parent_rows + 1)[:, :, None].expand(-1, -1, outputs.shape[-1])
         feats = outputs.gather(1, index)
-        cached = expanded.shape[1]
-        # which earlier entries of this proposal each new one sees: its parent's ancestors and the parent
-        if self._allowed:
-            previous = torch.cat(
-                [torch.nn.functional.pad(a, (0, cached - a.shape[-1])) for a in self._allowed], 1
-            )
-            from_parent = previous.gather(1, parent_rows.clamp(min=0)[:, :, None].expand(-1, -1, cached))
-            # one_hot would read the indices' range back to the host
-            parent = parent_rows.clamp(min=0)[:, :, None] == torch.arange(cached, device=device)
-            tree = (from_parent | parent) & (parent_rows >= 0)[:, :, None]
-        else:
-            tree = torch.zeros(batch, n, 0, dtype=torch.bool, device=device)
+        tree = tree_visibility(self._allowed, parent_rows)  # the parent's ancestors and the parent
         allowed = torch.cat(
             [
                 self.valid[:, None, :].expand(-1, n, -1),

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import pad_sequence
 from transformers import DynamicCache
 
-from decode.drafter import Drafter, DraftLimits
+from decode.drafter import Drafter, DraftLimits, tree_visibility
 from heads.eagle import additive_mask
 
 
@@ -120,15 +120,9 @@ class ModelDrafter(Drafter):
     @torch.no_grad()
     def expand(self, parent_rows: Tensor, tokens: Tensor, depth: int) -> Tensor:
         batch, n = tokens.shape
-        cached = sum(a.shape[1] for a in self._allowed)
-        if self._allowed:
-            previous = torch.cat([nn.functional.pad(a, (0, cached - a.shape[-1])) for a in self._allowed], 1)
-            index = parent_rows.clamp(min=0)[:, :, None]
-            from_parent = previous.gather(1, index.expand(-1, -1, cached))
-            parent = index == torch.arange(cached, device=self.device)
-            tree = (from_parent | parent) & (parent_rows >= 0)[:, :, None]
-        else:
-            tree = torch.zeros(batch, n, 0, dtype=torch.bool, device=self.device)
+        tree = tree_visibility(
+            self._allowed, parent_rows.to(self.device)
+        )  # the parent's ancestors and itself
         allowed = torch.cat(
             [
                 self.valid[:, None, :].expand(-1, n, -1),
