@@ -115,20 +115,6 @@ def _one_thread():
 
 
 @pytest.fixture(scope="session")
-def say(request):
-    """`say(line)`: a line in pytest's own output, past the capture (so CI logs show it under -q)."""
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    capture = request.config.pluginmanager.get_plugin("capturemanager")
-
-    def write(line: str) -> None:
-        if reporter is not None and capture is not None:
-            with capture.global_and_fixture_disabled():
-                reporter.write_line(line)
-
-    return write
-
-
-@pytest.fixture(scope="session")
 def vllm_python(say) -> Path:
     """The venv's python; built when absent or when a previous build did not finish."""
     python, seconds = vllm_python_build()
