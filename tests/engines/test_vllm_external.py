@@ -162,7 +162,7 @@ def heads(request, setup, say) -> dict[str, tuple]:
             )
         runs[name] = (process, out)
     try:
-        for name, (process, _) in runs.items():
+        for process, _ in runs.values():
             process.wait(timeout=1200)
     finally:
         for process, _ in runs.values():
@@ -288,6 +288,8 @@ def vllm_runs(request, vllm_python, setup, heads, decoded, say) -> dict[str, dic
     runs = prepare_runs(needed(request, 0), setup, heads)
     if SERVER_TEST in selected(request):
         request.getfixturevalue("server")  # it starts up while the runs below run
+    if not runs:
+        return {}
     root = setup[0]
     jobs = [
         {"name": name, "draft": None if folder is None else str(folder), "method": method}
