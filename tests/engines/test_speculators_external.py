@@ -10,15 +10,17 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from engines.export import export_head
 from heads.eagle import EagleConfig, EagleHead
-from train.venv import cached_venv, venv_folder
+from train.venv import cached_venv, venv_folder, venv_stamp
 
 VENV = venv_folder("speculators", "SELFSPEC_SPECULATORS_VENV")
 CHECK = Path(__file__).with_name("speculators_check.py")
+STAMP = "speculators==0.9.0"
 INSTALL_STEPS = [
     ["torch==2.13.0"],  # first, so nothing below pulls a CUDA build
     [
@@ -46,15 +48,19 @@ INSTALL_STEPS = [
 ]
 
 
-def _venv_python() -> Path:
-    """The venv's python; built when absent or when a previous build did not finish."""
-    python, _ = cached_venv(
-        VENV, INSTALL_STEPS, check="import speculators.models.eagle3", stamp="speculators==0.9.0"
-    )
+@pytest.fixture(scope="session")
+def venv_python(say) -> Path:
+    """The venv's python; built when absent or when a previous build did not finish (the build time is
+    printed)."""
+    python, seconds = cached_venv(VENV, INSTALL_STEPS, check="import speculators.models.eagle3", stamp=STAMP)
+    if seconds is None:
+        say(f"speculators venv: reused {VENV} ({venv_stamp(VENV)})")
+    else:
+        say(f"speculators venv: built {STAMP} in {seconds:.0f} s at {VENV}")
     return python
 
 
-def test_speculators_package_loads_and_drafts_like_ours(tmp_path, build_target):
+def test_speculators_package_loads_and_drafts_like_ours(tmp_path, build_target, venv_python):
     target = build_target("llama")
     torch.manual_seed(0)
     head = EagleHead(EagleConfig.from_target(target.config, "eagle3", draft_vocab_size=64))
@@ -77,10 +83,9 @@ def test_speculators_package_loads_and_drafts_like_ours(tmp_path, build_target):
         {"hidden_states": taps, "input_ids": input_ids, "position_ids": position_ids}, tmp_path / "in.st"
     )
 
-    python = _venv_python()
     run = subprocess.run(
         [
-            str(python),
+            str(venv_python),
             str(CHECK),
             str(tmp_path / "export"),
             str(tmp_path / "in.st"),

@@ -19,6 +19,12 @@ at ones), drafts differently with it.
 `scripts/serve_vllm.py` is checked the way a user runs it: it serves the EAGLE-3 head with vLLM's
 OpenAI-compatible server on 127.0.0.1, the `openai` client sends the 4 chat prompts one at a time, and the
 replies and the speculative-decoding counters read from the server's /metrics equal ours.
+
+Cost: each head is trained once, the three side by side with one thread each (`HEADS`, `heads`); every
+offline vLLM run the selected tests read (`NEEDS`) is made in ONE vllm_check.py call, one engine after another
+in one process (vLLM imported once, its engine core in that process, where it takes one core), while this
+process decodes the same prompts itself on the other core and the server of the serve_vllm.py test starts up;
+`decode.generate`'s results are computed once per head and shared.
 """
 
 import copy
@@ -52,21 +58,60 @@ ROOT = Path(__file__).resolve().parents[2]
 VENV = venv_folder("vllm", "SELFSPEC_VLLM_VENV")
 CHECK = Path(__file__).with_name("vllm_check.py")
 PROMPTS, NEW_TOKENS, DRAFTS = 4, 64, 3
-HEAD_STEPS = 60  # enough for a head whose drafts are often right: counts that are all 0 would prove nothing
+BF16 = "train.mixed_precision=bf16"  # bf16 autocast, as quickstart.yaml trains: cheaper steps on this CPU
+
+# The heads the tests serve, each trained once (the `heads` fixture trains those the selected tests need, side
+# by side): recipe, config, optimizer steps, overrides. Steps: enough for heads whose drafts are often right
+# (counts that are all 0 would prove nothing). EAGLE-3 needs its 60: they also leave the broken exports of the
+# speculators test drafting differently from the right one (after 30 steps the wrong taps drafted exactly as
+# the right ones). EAGLE-1 at its config's lr of 1e-4 (meant for long runs) accepted at the first position
+# only after 60 steps; at 1e-3 it accepts at all 3 after 30, and so does Medusa after 20.
+HEADS = {
+    "eagle3": (
+        "train/eagle.py",
+        "configs/quickstart.yaml",
+        60,
+        "eagle.norm_before_fc=false",  # the classic layout; the EAGLE-3.1 norms get their own test
+        "eagle.norm_output=false",
+    ),
+    "eagle1": ("train/eagle.py", "configs/eagle1_smollm2.yaml", 30, "train.learning_rate=1e-3", BF16),
+    "medusa": ("train/medusa.py", "configs/medusa1_smollm2.yaml", 20, BF16),
+}
+
+# What each test reads: the offline vLLM runs (vllm_check.py jobs; the `vllm_runs` fixture makes those of all
+# selected tests in ONE vllm_check.py call, so vLLM is imported once for all of them) and the heads (`HEADS`).
+NEEDS = {
+    "test_vllm_without_drafts_decodes_as_we_do": (("plain",), ()),
+    "test_vllm_serves_the_speculators_export_as_we_decode": (
+        ("speculators", "broken", "unnormed"),
+        ("eagle3",),
+    ),
+    "test_vllm_serves_eagle31_norms_as_we_decode": (("speculators-3.1",), ("eagle3",)),
+    "test_serve_vllm_script_answers_openai_chat_requests_and_reports_acceptance": ((), ("eagle3",)),
+    "test_vllm_serves_the_eagle1_export_as_we_decode": (("eagle1",), ("eagle1",)),
+    "test_vllm_serves_the_medusa_export_as_we_decode": (("medusa-vllm",), ("medusa",)),
+}
 
 
-@pytest.fixture(scope="session")
-def say(request):
-    """`say(line)`: a line in pytest's own output, past the capture (so CI logs show it under -q)."""
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    capture = request.config.pluginmanager.get_plugin("capturemanager")
+def selected(request) -> set[str]:
+    """The names of this module's tests that this session runs."""
+    return {item.name for item in request.session.items if item.module is request.module}
 
-    def write(line: str) -> None:
-        if reporter is not None and capture is not None:
-            with capture.global_and_fixture_disabled():
-                reporter.write_line(line)
 
-    return write
+def needed(request, column: int) -> set[str]:
+    """The runs (column 0) or heads (1) of `NEEDS` that this module's selected tests read."""
+    return {name for test, needs in NEEDS.items() if test in selected(request) for name in needs[column]}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """This process decodes on one thread: its decoding overlaps vLLM's runs (one thread each, see
+    `vllm_runs`), and on a loaded 2-core machine two OpenMP threads per process spin-wait (a training step
+    was 10x slower with two threads than with one there)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")
@@ -78,17 +123,6 @@ def vllm_python(say) -> Path:
     else:
         say(f"vLLM venv: built {VLLM} in {seconds:.0f} s at {VENV}")
     return python
-
-
-def train_head(root: Path, recipe: str, config: str, steps: int, model, *overrides: str):
-    """The default target's head after `steps` optimizer steps on the committed chats, and its folder."""
-    out = root / f"run-{Path(config).stem}"
-    quiet = ["train.save_every_steps=0", "train.eval_every_steps=0", "train.eval_tau_prompts=0", *overrides]
-    quiet += ["data.hidden_states=online"]  # a few steps: no dump (the main job's config is offline)
-    command = [sys.executable, recipe, config, f"train.max_steps={steps}", f"train.output_dir={out}", *quiet]
-    run = subprocess.run(command, cwd=ROOT, check=False, capture_output=True, text=True, timeout=1200)
-    assert run.returncode == 0, run.stderr[-4000:]
-    return load_heads(out / "head", target=model), out / "head"
 
 
 @pytest.fixture(scope="module")
@@ -109,27 +143,38 @@ def setup(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def eagle3(setup):
-    """An EAGLE-3 head of the main job's recipe without the EAGLE-3.1 norms (the classic layout; the norms get
-    their own test), HEAD_STEPS steps, and its folder."""
+def heads(request, setup, say) -> dict[str, tuple]:
+    """The default target's heads of `HEADS` that the selected tests need, trained on the committed chats as
+    subprocesses side by side, one thread each (three runs fill both cores): name -> (head, its folder)."""
     root, model = setup[:2]
-    classic = ("eagle.norm_before_fc=false", "eagle.norm_output=false")
-    return train_head(root, "train/eagle.py", "configs/quickstart.yaml", HEAD_STEPS, model, *classic)
-
-
-def serve(python: Path, root: Path, export: Path | None, method: str, name: str, check: bool = True):
-    """vLLM's greedy tokens and speculative-decoding counters for the prompts, with `export` or without;
-    with `check=False`, (the finished process, that result or None when vLLM failed)."""
-    out = root / f"{name}.json"
-    command = [str(python), str(CHECK), str(materialize_default_target()), str(export or "-"), method]
-    command += [str(root / "prompts.json"), str(NEW_TOKENS), str(out)]
-    run = subprocess.run(
-        command, cwd=root, check=False, capture_output=True, text=True, timeout=900, env=clean_env(VLLM_ENV)
-    )
-    if not check:
-        return run, json.loads(out.read_text()) if run.returncode == 0 else None
-    assert run.returncode == 0, f"vLLM failed ({name}):\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
-    return json.loads(out.read_text())
+    quiet = ["train.save_every_steps=0", "train.eval_every_steps=0", "train.eval_tau_prompts=0"]
+    quiet += ["data.hidden_states=online"]  # a few steps: no dump (the main job's config is offline)
+    quiet += ["data.eval_fraction=0"]  # no held-out slice: no evaluation at the end (half of a short run)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    start, runs = time.perf_counter(), {}
+    for name in sorted(needed(request, 1)):
+        recipe, config, steps, *overrides = HEADS[name]
+        out = root / f"run-{name}"
+        command = [sys.executable, recipe, config, f"train.max_steps={steps}", f"train.output_dir={out}"]
+        with (root / f"train-{name}.log").open("w") as log:
+            process = subprocess.Popen(
+                [*command, *quiet, *overrides], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+            )
+        runs[name] = (process, out)
+    try:
+        for process, _ in runs.values():
+            process.wait(timeout=1200)
+    finally:
+        for process, _ in runs.values():
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    for name, (process, _) in runs.items():
+        log = (root / f"train-{name}.log").read_text(errors="replace")
+        assert process.returncode == 0, f"training {name} failed:\n{log[-4000:]}"
+    if runs:
+        say(f"trained {', '.join(runs)} side by side in {time.perf_counter() - start:.0f} s")
+    return {name: (load_heads(out / "head", target=model), out / "head") for name, (_, out) in runs.items()}
 
 
 def ours(model, head, prompts) -> tuple[list[list[int]], int, list[int]]:
@@ -146,6 +191,154 @@ def ours(model, head, prompts) -> tuple[list[list[int]], int, list[int]]:
     return tokens, steps, per_position
 
 
+@pytest.fixture(scope="module")
+def decoded(setup):
+    """`decoded(head)`: `ours` for that head on the prompts, computed once per head object."""
+    model, prompts = setup[1:3]
+    cache = {}
+
+    def get(head):
+        if id(head) not in cache:
+            cache[id(head)] = (head, ours(model, head, prompts))  # the head kept: its id stays its own
+        return cache[id(head)][1]
+
+    return get
+
+
+def reparametrised(head: EagleHead) -> EagleHead:
+    """`head` with hidden_norm x 2 and the attention's weights on its output / 2: exact in floating point
+    (powers of two), so the same drafts, with a norm far from ones."""
+    twice = copy.deepcopy(head)
+    with torch.no_grad():
+        twice.midlayer.hidden_norm.weight.mul_(2)
+        hidden = twice.config.hidden_size
+        attention = twice.midlayer.self_attn
+        for proj in (attention.q_proj, attention.k_proj, attention.v_proj):
+            proj.weight[:, hidden:].div_(2)  # its input is [input_layernorm(embeds), hidden_norm(feature)]
+    return twice
+
+
+def eagle31(head: EagleHead, model, prompt: list[int]) -> EagleHead:
+    """The trained head with both EAGLE-3.1 norms switched on, the new input norm's weight set to the taps'
+    typical RMS (so the fused input keeps its scale and the head still drafts right often)."""
+    v31 = EagleHead(dataclasses.replace(head.config, norm_before_fc=True, norm_output=True))
+    missing = v31.load_state_dict(head.state_dict(), strict=False).missing_keys
+    assert missing == ["input_norm.weight"]
+    with torch.no_grad(), FeatureCapture(model, head.feature_layers) as capture:
+        model(torch.tensor([prompt]))
+        rms = capture.features().pow(2).mean(-1).sqrt().median()
+        v31.input_norm.weight.fill_(rms)
+    return v31.eval()
+
+
+def export(head, fmt: str, folder: Path, model) -> Path:
+    export_head(head, fmt, folder, target=model, verifier_name=str(materialize_default_target()))
+    return folder
+
+
+def prepare_runs(names: set[str], setup, heads: dict) -> dict[str, tuple[Path | None, str, object]]:
+    """The vllm_check.py jobs `names` need: run name -> (export folder or None, vLLM method, the head it
+    holds or None). Builds the exports of the trained `heads`."""
+    root, model, prompts = setup[:3]
+    runs = {}
+    if "plain" in names:
+        runs["plain"] = (None, "-", None)
+    if names & {"speculators", "broken", "unnormed"}:
+        head = heads["eagle3"][0]
+        folder = export(head, "speculators", root / "speculators", model)
+        runs["speculators"] = (folder, "eagle3", head)
+
+        # the classic slip: taps written in our output-of-layer convention; vLLM reads input-of-layer ids
+        config = json.loads((folder / "config.json").read_text())
+        config["eagle_aux_hidden_state_layer_ids"] = head.config.aux_layer_ids
+        broken = root / "broken"
+        broken.mkdir()
+        (broken / "config.json").write_text(json.dumps(config))
+        (broken / "model.safetensors").symlink_to(folder / "model.safetensors")
+        runs["broken"] = (broken, "eagle3", head)
+
+        # a converter that forgets a norm (the fused feature's hidden_norm): see the speculators test
+        twice = reparametrised(head)
+        folder = export(twice, "speculators", root / "twice", model)
+        tensors = load_file(folder / "model.safetensors")
+        (norm,) = [key for key in tensors if key.endswith("hidden_norm.weight")]
+        unnormed = root / "unnormed"
+        unnormed.mkdir()
+        (unnormed / "config.json").write_text((folder / "config.json").read_text())
+        save_file({k: v for k, v in tensors.items() if k != norm}, unnormed / "model.safetensors")
+        runs["unnormed"] = (unnormed, "eagle3", twice)
+    if "speculators-3.1" in names:
+        v31 = eagle31(heads["eagle3"][0], model, prompts[0])
+        runs["speculators-3.1"] = (export(v31, "speculators", root / "speculators-3.1", model), "eagle3", v31)
+    if "eagle1" in names:
+        head = heads["eagle1"][0]
+        runs["eagle1"] = (export(head, "eagle1", root / "eagle1", model), "eagle", head)
+    if "medusa-vllm" in names:
+        head = heads["medusa"][0]
+        runs["medusa-vllm"] = (export(head, "medusa-vllm", root / "medusa-vllm", model), "medusa", head)
+    return {name: runs[name] for name in sorted(names)}
+
+
+@pytest.fixture(scope="module")
+def vllm_runs(request, vllm_python, setup, heads, decoded, say) -> dict[str, dict]:
+    """vLLM's greedy tokens and speculative-decoding counters (or the error that stopped it), per run of
+    `NEEDS` that a selected test reads, with the export and head of each run ("export", "method", "head").
+    One vllm_check.py call makes them all; meanwhile this process decodes the runs' heads (`decoded`) and,
+    when its test is selected, the `server` starts."""
+    runs = prepare_runs(needed(request, 0), setup, heads)
+    if SERVER_TEST in selected(request):
+        request.getfixturevalue("server")  # it starts up while the runs below run
+    if not runs:
+        return {}
+    root = setup[0]
+    jobs = [
+        {"name": name, "draft": None if folder is None else str(folder), "method": method}
+        for name, (folder, method, _) in runs.items()
+    ]
+    spec = {
+        "prompts": json.loads((root / "prompts.json").read_text()),
+        "max_tokens": NEW_TOKENS,
+        "jobs": jobs,
+    }
+    (root / "jobs.json").write_text(json.dumps(spec))
+    out, log = root / "vllm_runs.json", root / "vllm_check.log"
+    command = [
+        str(vllm_python),
+        str(CHECK),
+        str(materialize_default_target()),
+        str(root / "jobs.json"),
+        str(out),
+    ]
+    start = time.perf_counter()
+    with log.open("w") as stream:
+        process = subprocess.Popen(
+            command, cwd=root, stdout=stream, stderr=subprocess.STDOUT, env=clean_env(VLLM_ENV)
+        )
+    try:  # vLLM's engine takes one core (it sets itself one thread), this process the other
+        for _, _, head in runs.values():  # our side of every comparison, while vLLM runs
+            if head is not None:
+                decoded(head)
+        process.wait(timeout=1800)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    text = log.read_text(errors="replace")
+    assert process.returncode == 0, f"vllm_check.py failed:\n{text[-6000:]}"
+    results = json.loads(out.read_text())
+    assert sorted(results) == sorted(runs), text[-6000:]
+    say(f"vllm_check.py: {len(jobs)} vLLM runs ({', '.join(runs)}) in {time.perf_counter() - start:.0f} s")
+    for name, (folder, method, head) in runs.items():
+        results[name].update(export=folder, method=method, head=head)
+    return results
+
+
+def served(result: dict) -> dict:
+    """A vllm_check.py run that must have succeeded."""
+    assert "error" not in result, f"vLLM failed ({result['export']}):\n{result['error'][-3000:]}"
+    return result
+
+
 def counters(result: dict) -> tuple[int, list[int]]:
     metrics = result["metrics"]
     assert metrics["vllm:spec_decode_num_draft_tokens"] == DRAFTS * metrics["vllm:spec_decode_num_drafts"]
@@ -154,43 +347,33 @@ def counters(result: dict) -> tuple[int, list[int]]:
     )
 
 
-def check_served(
-    vllm_python, setup, say, head, fmt: str, method: str, name: str | None = None
-) -> tuple[Path, tuple[int, list[int]]]:
-    """Export `head` as `fmt` (to the folder `name`, default `fmt`), serve it with vLLM's `method`: tokens and
-    counters equal ours. Returns the export and our counters."""
-    root, model, prompts, plain_tokens = setup[:4]
-    name = name or fmt
-    export = root / name
-    export_head(head, fmt, export, target=model, verifier_name=str(materialize_default_target()))
-    spec_tokens, steps, per_position = ours(model, head, prompts)
+def check_served(setup, say, decoded, result: dict) -> tuple[int, list[int]]:
+    """vLLM's run of an export of our head (`result`, from `vllm_runs`): tokens and counters equal ours.
+    Returns our counters."""
+    plain_tokens = setup[3]
+    spec_tokens, steps, per_position = decoded(result["head"])
     assert spec_tokens == plain_tokens
     assert sum(per_position) > 0, "the head never drafted right: the comparison below would prove nothing"
-    served = serve(vllm_python, root, export, method, name)
-    assert served["tokens"] == plain_tokens
-    assert counters(served) == (steps, per_position)
+    assert served(result)["tokens"] == plain_tokens
+    assert counters(result) == (steps, per_position)
+    name, method = result["export"].name, result["method"]
     say(f"vLLM {method} on the {name} export: {steps} drafts, accepted per position {per_position}, as ours")
-    return export, (steps, per_position)
+    return steps, per_position
 
 
-def test_vllm_without_drafts_decodes_as_we_do(vllm_python, setup):
-    root, _, _, plain_tokens = setup[:4]
-    assert serve(vllm_python, root, None, "-", "plain")["tokens"] == plain_tokens
+def test_vllm_without_drafts_decodes_as_we_do(vllm_runs, setup):
+    assert served(vllm_runs["plain"])["tokens"] == setup[3]
 
 
-def test_vllm_serves_the_speculators_export_as_we_decode(vllm_python, setup, eagle3, say):
-    root, model, prompts, plain_tokens = setup[:4]
-    head, _ = eagle3
-    export, expected = check_served(vllm_python, setup, say, head, "speculators", "eagle3")
+def test_vllm_serves_the_speculators_export_as_we_decode(vllm_runs, setup, decoded, say):
+    plain_tokens = setup[3]
+    expected = check_served(setup, say, decoded, vllm_runs["speculators"])
 
     # the classic slip: taps written in our output-of-layer convention; vLLM reads input-of-layer ids
-    config = json.loads((export / "config.json").read_text())
-    config["eagle_aux_hidden_state_layer_ids"] = head.config.aux_layer_ids
-    broken = root / "broken"
-    broken.mkdir()
-    (broken / "config.json").write_text(json.dumps(config))
-    (broken / "model.safetensors").symlink_to(export / "model.safetensors")
-    wrong = serve(vllm_python, root, broken, "eagle3", "broken")
+    wrong = served(vllm_runs["broken"])
+    head = wrong["head"]
+    config = json.loads((wrong["export"] / "config.json").read_text())
+    assert config["eagle_aux_hidden_state_layer_ids"] == list(head.config.aux_layer_ids)
     assert wrong["tokens"] == plain_tokens  # still lossless: only the drafts change
     assert counters(wrong) != expected
     say(f"vLLM eagle3 with the taps off by one: {counters(wrong)} instead of {expected}")
@@ -198,50 +381,34 @@ def test_vllm_serves_the_speculators_export_as_we_decode(vllm_python, setup, eag
     # a converter that forgets a norm (the fused feature's, EAGLE-3 only, so the one most easily left out).
     # vLLM 0.32 loads such a folder without a word (its loader's missing-weight check exempts unquantized
     # models): the norm stays at its init, ones. A 60-step head's norms are within 2% of ones, too close to
-    # change a draft, so the head is reparametrised first: hidden_norm x 2 and the attention's weights on its
-    # output / 2, exact in floating point (powers of two), so the same drafts, with a norm far from ones
-    twice = copy.deepcopy(head)
-    with torch.no_grad():
-        twice.midlayer.hidden_norm.weight.mul_(2)
-        hidden = twice.config.hidden_size
-        attention = twice.midlayer.self_attn
-        for proj in (attention.q_proj, attention.k_proj, attention.v_proj):
-            proj.weight[:, hidden:].div_(2)  # its input is [input_layernorm(embeds), hidden_norm(feature)]
-    assert ours(model, twice, prompts)[1:] == expected, "the reparametrised head must draft as the original"
-    export_head(
-        twice, "speculators", root / "twice", target=model, verifier_name=str(materialize_default_target())
-    )
-    tensors = load_file(root / "twice" / "model.safetensors")
+    # change a draft, so the head is reparametrised first (`reparametrised`): hidden_norm x 2 and the
+    # attention's weights on its output / 2, exact in floating point (powers of two), so the same drafts, with
+    # a norm far from ones
+    result = vllm_runs["unnormed"]
+    twice = result["head"]
+    torch.testing.assert_close(twice.midlayer.hidden_norm.weight, 2 * head.midlayer.hidden_norm.weight)
+    assert decoded(twice)[1:] == expected, "the reparametrised head must draft as the original"
+    unnormed = result["export"]
+    tensors = load_file(unnormed.parent / "twice" / "model.safetensors")
     (norm,) = [key for key in tensors if key.endswith("hidden_norm.weight")]
-    unnormed = root / "unnormed"
-    unnormed.mkdir()
-    (unnormed / "config.json").write_text((root / "twice" / "config.json").read_text())
-    save_file({k: v for k, v in tensors.items() if k != norm}, unnormed / "model.safetensors")
+    assert load_file(unnormed / "model.safetensors").keys() == tensors.keys() - {norm}
     with pytest.raises(ValueError, match="hidden_norm"):  # ours refuses it before any engine sees it
         validate_export(unnormed, "speculators")
-    run, result = serve(vllm_python, root, unnormed, "eagle3", "unnormed", check=False)
-    if result is None:  # a later vLLM that refuses missing weights: say which
-        assert "hidden_norm" in run.stdout + run.stderr, (run.stdout[-2000:], run.stderr[-2000:])
+    if "error" in result:  # a later vLLM that refuses missing weights: say which
+        assert "hidden_norm" in result["error"], result["error"][-2000:]
         say(f"vLLM eagle3 without {norm}: refused at load time")
     else:
         assert result["tokens"] == plain_tokens and counters(result) != expected
         say(f"vLLM eagle3 without {norm} (loaded silently): {counters(result)} instead of {expected}")
 
 
-def test_vllm_serves_eagle31_norms_as_we_decode(vllm_python, setup, eagle3, say):
+def test_vllm_serves_eagle31_norms_as_we_decode(vllm_runs, setup, decoded, say):
     """The EAGLE-3.1 flags (norm_before_fc, norm_output) as vLLM reads them: the trained head with both norms
-    switched on, the new input norm's weight set to the taps' typical RMS (so the fused input keeps its scale
-    and the head still drafts right often); vLLM must draft exactly as we do."""
-    _, model, prompts = setup[:3]
-    head, _ = eagle3
-    v31 = EagleHead(dataclasses.replace(head.config, norm_before_fc=True, norm_output=True))
-    missing = v31.load_state_dict(head.state_dict(), strict=False).missing_keys
-    assert missing == ["input_norm.weight"]
-    with torch.no_grad(), FeatureCapture(model, head.feature_layers) as capture:
-        model(torch.tensor([prompts[0]]))
-        rms = capture.features().pow(2).mean(-1).sqrt().median()
-        v31.input_norm.weight.fill_(rms)
-    check_served(vllm_python, setup, say, v31.eval(), "speculators", "eagle3", name="speculators-3.1")
+    switched on, the new input norm's weight set to the taps' typical RMS (`eagle31`: so the fused input keeps
+    its scale and the head still drafts right often); vLLM must draft exactly as we do."""
+    result = vllm_runs["speculators-3.1"]
+    assert result["head"].config.norm_before_fc and result["head"].config.norm_output
+    check_served(setup, say, decoded, result)
 
 
 def _free_port() -> int:
@@ -250,13 +417,16 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_serve_vllm_script_answers_openai_chat_requests_and_reports_acceptance(
-    vllm_python, setup, eagle3, say
-):
-    openai = pytest.importorskip("openai")
-    root, model, prompts, plain_tokens, chats, tokenizer = setup
-    head, head_dir = eagle3
-    _, steps, per_position = ours(model, head, prompts)
+SERVER_TEST = "test_serve_vllm_script_answers_openai_chat_requests_and_reports_acceptance"
+
+
+@pytest.fixture(scope="module")
+def server(vllm_python, setup, heads):
+    """scripts/serve_vllm.py serving the EAGLE-3 head on a free port, started as a user starts it and stopped
+    at the end of the module: (process, base url, log, start time). `vllm_runs` starts it before its own
+    vLLM runs, so the server starts up while they run; its test waits for /health."""
+    root = setup[0]
+    head_dir = heads["eagle3"][1]
     port, log = _free_port(), root / "server.log"
     command = [sys.executable, "scripts/serve_vllm.py", str(head_dir), "--port", str(port)]
     command += [
@@ -269,57 +439,61 @@ def test_serve_vllm_script_answers_openai_chat_requests_and_reports_acceptance(
     ]
     start = time.perf_counter()
     with log.open("w") as out:
-        server = subprocess.Popen(
+        process = subprocess.Popen(
             command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
-    base = f"http://127.0.0.1:{port}"
     try:
-        while True:
-            assert server.poll() is None, (
-                f"the server exited ({server.returncode}):\n{log.read_text()[-4000:]}"
-            )
-            assert time.perf_counter() - start < 600, f"no /health after 600 s:\n{log.read_text()[-4000:]}"
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=5) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                time.sleep(2)
-        ready = time.perf_counter() - start
-        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=300, max_retries=0)
-        replies = []
-        for row in chats:  # one at a time, as `ours` decodes them
-            completion = client.chat.completions.create(
-                model="SmolLM2-135M-Instruct", messages=row["messages"], temperature=0, max_tokens=NEW_TOKENS
-            )
-            replies.append(completion.choices[0].message.content)
-        with urllib.request.urlopen(f"{base}/metrics", timeout=30) as response:
-            metrics = spec_metrics(response.read().decode())
+        yield process, f"http://127.0.0.1:{port}", log, start
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
+        os.killpg(process.pid, signal.SIGTERM)
         try:
-            server.wait(timeout=60)
+            process.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def test_serve_vllm_script_answers_openai_chat_requests_and_reports_acceptance(
+    vllm_runs, server, setup, heads, decoded, say
+):
+    openai = pytest.importorskip("openai")
+    _, _, _, plain_tokens, chats, tokenizer = setup
+    head = heads["eagle3"][0]
+    _, steps, per_position = decoded(head)  # as computed for the other tests
+    process, base, log, start = server
+    while True:
+        assert process.poll() is None, f"the server exited ({process.returncode}):\n{log.read_text()[-4000:]}"
+        assert time.perf_counter() - start < 600, f"no /health after 600 s:\n{log.read_text()[-4000:]}"
+        try:
+            with urllib.request.urlopen(f"{base}/health", timeout=5) as response:
+                if response.status == 200:
+                    break
+        except OSError:
+            time.sleep(2)
+    ready = time.perf_counter() - start
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=300, max_retries=0)
+    replies = []
+    for row in chats:  # one at a time, as `ours` decodes them
+        completion = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=row["messages"], temperature=0, max_tokens=NEW_TOKENS
+        )
+        replies.append(completion.choices[0].message.content)
+    with urllib.request.urlopen(f"{base}/metrics", timeout=30) as response:
+        metrics = spec_metrics(response.read().decode())
     assert replies == [tokenizer.decode(t, skip_special_tokens=True) for t in plain_tokens]
     assert metrics["vllm:spec_decode_num_drafts"] == steps
     assert metrics["vllm:spec_decode_num_draft_tokens"] == DRAFTS * steps
     assert metrics["vllm:spec_decode_num_accepted_tokens"] == sum(per_position)
     assert metrics[PER_POSITION] == per_position
     say(
-        f"serve_vllm.py: ready in {ready:.0f} s; {len(chats)} chat requests through the openai client: "
-        f"replies as ours, /metrics {steps} drafts, accepted per position {per_position}, as ours"
+        f"serve_vllm.py: up {ready:.0f} s after its start; {len(chats)} chat requests through the openai "
+        f"client: replies as ours, /metrics {steps} drafts, accepted per position {per_position}, as ours"
     )
 
 
-def test_vllm_serves_the_eagle1_export_as_we_decode(vllm_python, setup, say):
-    root, model = setup[:2]
-    head, _ = train_head(root, "train/eagle.py", "configs/eagle1_smollm2.yaml", HEAD_STEPS, model)
-    check_served(vllm_python, setup, say, head, "eagle1", "eagle")
+def test_vllm_serves_the_eagle1_export_as_we_decode(vllm_runs, setup, decoded, say):
+    check_served(setup, say, decoded, vllm_runs["eagle1"])
 
 
-def test_vllm_serves_the_medusa_export_as_we_decode(vllm_python, setup, say):
-    root, model = setup[:2]
-    head, _ = train_head(root, "train/medusa.py", "configs/medusa1_smollm2.yaml", 40, model)
-    check_served(vllm_python, setup, say, head, "medusa-vllm", "medusa")
+def test_vllm_serves_the_medusa_export_as_we_decode(vllm_runs, setup, decoded, say):
+    check_served(setup, say, decoded, vllm_runs["medusa-vllm"])

@@ -1,17 +1,25 @@
 """Runs INSIDE the vLLM venv (see test_vllm_external.py), never imported by selfspec.
 
-Greedy-decodes token-id prompts with vLLM's CPU engine, with a draft head (an export folder and vLLM's method
-name) or without one ("-"), and writes the generated token ids and vLLM's speculative-decoding counters.
-Usage: python vllm_check.py TARGET_DIR EXPORT_DIR|- METHOD PROMPTS.json MAX_TOKENS OUT.json
+Greedy-decodes token-id prompts with vLLM's CPU engine once per job, each job with a draft head (an export
+folder and vLLM's method name) or without one (draft null), and writes, per job, the generated token ids and
+vLLM's speculative-decoding counters, or the error that stopped the job (e.g. an export vLLM refuses).
+Usage: python vllm_check.py TARGET_DIR JOBS.json OUT.json
+JOBS.json: {"prompts": [[ids...], ...], "max_tokens": N, "jobs": [{"name", "draft", "method"}, ...]}
+
+The jobs share this one process: vLLM is imported once, and its engine core runs in this process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0) rather than in two more processes per job that would each import it again;
+each job builds its own engine (a new `LLM`, whose counters start at zero) and tears it down before the next.
 """
 
+import gc
 import json
 import os
 import sys
+import time
+import traceback
 
 
-def main(target: str, draft: str, method: str, prompts_file: str, max_tokens: str, out_file: str) -> None:
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache: enough for a 135M target
+def run_job(target: str, job: dict, prompts: list, max_tokens: int) -> dict:
     from vllm import LLM, SamplingParams
 
     kwargs = {
@@ -22,23 +30,50 @@ def main(target: str, draft: str, method: str, prompts_file: str, max_tokens: st
         "disable_log_stats": False,
         "dtype": "float32",
     }
-    if draft != "-":
-        kwargs["speculative_config"] = {"model": draft, "method": method, "num_speculative_tokens": 3}
+    if job["draft"] is not None:
+        kwargs["speculative_config"] = {
+            "model": job["draft"],
+            "method": job["method"],
+            "num_speculative_tokens": 3,
+        }
     llm = LLM(**kwargs)
-    with open(prompts_file) as f:
-        prompts = json.load(f)
-    outputs = llm.generate(
-        [{"prompt_token_ids": ids} for ids in prompts],
-        SamplingParams(temperature=0.0, max_tokens=int(max_tokens)),
-    )
-    metrics = {}
-    for metric in llm.get_metrics():
-        if metric.name.startswith("vllm:spec_decode"):
-            metrics[metric.name] = getattr(metric, "values", None) or getattr(metric, "value", None)
-    result = {"tokens": [list(o.outputs[0].token_ids) for o in outputs], "metrics": metrics}
-    with open(out_file, "w") as f:
-        json.dump(result, f)
+    try:
+        outputs = llm.generate(
+            [{"prompt_token_ids": ids} for ids in prompts],
+            SamplingParams(temperature=0.0, max_tokens=max_tokens),
+        )
+        metrics = {}
+        for metric in llm.get_metrics():
+            if metric.name.startswith("vllm:spec_decode"):
+                metrics[metric.name] = getattr(metric, "values", None) or getattr(metric, "value", None)
+        return {"tokens": [list(o.outputs[0].token_ids) for o in outputs], "metrics": metrics}
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
 
 
-if __name__ == "__main__":  # vLLM starts worker processes: nothing may run on their import
-    main(*sys.argv[1:7])
+def main(target: str, jobs_file: str, out_file: str) -> None:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache: enough for a 135M target
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    with open(jobs_file) as f:
+        spec = json.load(f)
+    results = {}
+    for job in spec["jobs"]:
+        start = time.perf_counter()
+        try:
+            results[job["name"]] = run_job(target, job, spec["prompts"], int(spec["max_tokens"]))
+        except Exception:  # noqa: BLE001 - reported to the test, which decides whether it is expected
+            results[job["name"]] = {"error": traceback.format_exc()}
+        finally:
+            gc.collect()
+            cleanup_dist_env_and_memory()  # the next job's engine sets up its own (1-process) group
+        results[job["name"]]["seconds"] = time.perf_counter() - start
+        print(f"vllm_check: job {job['name']} took {results[job['name']]['seconds']:.1f} s", flush=True)
+        with open(out_file, "w") as f:  # after every job: a crash later still leaves the earlier results
+            json.dump(results, f)
+
+
+if __name__ == "__main__":  # vLLM may start worker processes: nothing may run on their import
+    main(*sys.argv[1:4])
