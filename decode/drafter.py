@@ -66,7 +66,9 @@ class Drafter:
         raise NotImplementedError
 
     def expand(self, parent_rows: Tensor, tokens: Tensor, depth: int) -> Tensor:
-        """(B, n, Vd) draft logits for the children of n nodes per row at `depth` (module docstring)."""
+        """(B, n, Vd) draft logits for the children of n nodes per row at `depth` (module docstring), or
+        (B, 1, Vd) when every node of the level has the same children's distribution (a drafter that ignores
+        the parent, as Medusa does): greedy growth then ranks it once for all n."""
         raise NotImplementedError
 
     def end_proposal(self) -> None:

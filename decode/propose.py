@@ -88,7 +88,15 @@ class Growth:
         """Node parents[b, i] of row b gets the top k (or k drawn) children of logits[b, i]; `select` keeps
         only these flat `i * k + rank` entries, the same in every row (a static tree)."""
         batch, n = parents.shape
-        cand = draw_children(logits.reshape(batch * n, -1), k, self.temperature, self.generator)
+        if logits.shape[1] == 1 and n > 1 and self.temperature == 0:  # one distribution for the whole level:
+            cand = draw_children(logits[:, 0], k, 0.0, None)  # its top-k once, shared by the n nodes
+            shared = (
+                x[:, None].expand(batch, n, k).reshape(batch * n, k) for x in (cand.draft_ids, cand.slot_logq)
+            )
+            cand = Candidates(*shared, None)
+        else:  # sampling draws each node's children on their own, even from one shared distribution
+            logits = logits.expand(batch, n, -1)
+            cand = draw_children(logits.reshape(batch * n, -1), k, self.temperature, self.generator)
         if cand.draft_ids.shape[1] != k:
             raise ValueError(
                 f"the tree wants {k} children per node, but the draft vocabulary has {logits.shape[-1]}"
@@ -139,19 +147,25 @@ class Growth:
         trees = []
         q_table = torch.cat(self.q_table, dim=1) if self.q_table else None
         for b in range(self.batch):
-            kept = torch.arange(self.size, device=self.device) if keep is None else keep[b]
-            renumber = torch.full((self.size,), -1, dtype=torch.long, device=self.device)
-            renumber[kept] = torch.arange(kept.numel(), device=self.device)
-            parents = self.parents[b, kept]
+            if keep is None:  # every node: views, ids unchanged
+                kept, parents = slice(0, self.size), self.parents[b, : self.size]
+                ancestors = self.ancestors[b, : self.size, : self.size]
+            else:
+                kept = keep[b]
+                renumber = torch.full((self.size,), -1, dtype=torch.long, device=self.device)
+                renumber[kept] = torch.arange(kept.numel(), device=self.device)
+                parents = self.parents[b, kept]
+                parents = torch.where(parents >= 0, renumber[parents.clamp(min=0)], -1)
+                ancestors = self.ancestors[b][kept][:, kept]
             trees.append(
                 DraftTree(
                     tokens=self.tokens[b, kept],
-                    parents=torch.where(parents >= 0, renumber[parents.clamp(min=0)], -1),
+                    parents=parents,
                     ranks=self.ranks[b, kept],
                     q_rows=self.q_rows[b, kept] if q_table is not None else None,
                     q_table=q_table[b] if q_table is not None else None,
                     depths=self.depths[b, kept],
-                    ancestors=self.ancestors[b][kept][:, kept],
+                    ancestors=ancestors,
                     max_depth=max_depth,
                     max_children=max_children,
                 )

@@ -53,11 +53,15 @@ class EagleDrafter(Drafter):
         device = self.valid.device
         sizes = [t.numel() for t in next_tokens]  # host-known: nothing is read back or uploaded for them
         width = max(sizes)
-        feats = pad_sequence([f.to(self.dtype) for f in features], batch_first=True)  # (B, width, F)
-        tokens = pad_sequence(list(next_tokens), batch_first=True)
-        taken = pad_sequence(
-            [t.new_ones(n, dtype=torch.bool) for t, n in zip(next_tokens, sizes)], batch_first=True
-        )
+        if len(sizes) == 1:  # a batch of one: nothing to pad
+            feats, tokens = features[0].to(self.dtype)[None], next_tokens[0][None]
+            taken = torch.ones(1, width, dtype=torch.bool, device=device)
+        else:
+            feats = pad_sequence([f.to(self.dtype) for f in features], batch_first=True)  # (B, width, F)
+            tokens = pad_sequence(list(next_tokens), batch_first=True)
+            taken = pad_sequence(
+                [t.new_ones(n, dtype=torch.bool) for t, n in zip(next_tokens, sizes)], batch_first=True
+            )
         new = torch.arange(width, device=device)
         allowed = torch.cat(
             [
@@ -74,10 +78,15 @@ class EagleDrafter(Drafter):
             attention_mask=additive_mask(allowed, self.dtype)[:, None],
         )
         self.valid = torch.cat([self.valid, taken.to(device)], dim=1)
-        counts = taken.sum(1).to(device)
-        self.counts = self.counts + counts
         self.host_counts = [c + n for c, n in zip(self.host_counts, sizes)]
-        self.root_hidden = hidden.gather(1, (counts - 1)[:, None, None].expand(-1, 1, hidden.shape[-1]))[:, 0]
+        if len(sizes) == 1:
+            self.counts = self.counts + width
+            self.root_hidden = hidden[:, -1]
+        else:
+            counts = taken.sum(1).to(device)
+            self.counts = self.counts + counts
+            last = (counts - 1)[:, None, None].expand(-1, 1, hidden.shape[-1])
+            self.root_hidden = hidden.gather(1, last)[:, 0]
         self._compact()
         self._start_proposal()
 

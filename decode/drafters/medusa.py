@@ -36,4 +36,4 @@ class MedusaDrafter(Drafter):
         return self._logits[:, 0]
 
     def expand(self, parent_rows: Tensor, tokens: Tensor, depth: int) -> Tensor:
-        return self._logits[:, depth, None].expand(-1, tokens.shape[1], -1)
+        return self._logits[:, depth, None]  # (B, 1, V): the same for every node of the level
