@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,73 @@ TINY = {
     "head_dim": 8,
     "vocab_size": 128,
 }
+
+
+# The longest modules, in the order they start: .ci/run spreads the suite over two pytest-xdist workers by
+# module (`-n 2 --dist loadfile --no-loadscope-reorder`: a module's fixtures are built once, on one worker),
+# and the longest starting first lets both workers end together. The CI log's 25 slowest tests say which.
+FIRST = (
+    "engines/test_vllm_external.py",
+    "decode/test_host_syncs.py",
+    "decode/test_real_model.py",
+    "decode/test_lossless_sampling.py",
+    "train/test_distributed.py",
+    "train/test_distributed_medusa.py",
+    "train/test_ablation.py",
+)
+
+
+CONFIG: list = []  # this process's pytest config (hooks that get no config read it)
+
+
+def pytest_configure(config):
+    """A worker of a parallel run computes on one thread, and so do the processes it starts (training runs,
+    vLLM): two workers share the machine's cores, and two OpenMP threads per process then spin-wait on each
+    other (a training step on a loaded 2-core machine took 10x longer on two threads than on one)."""
+    CONFIG[:] = [config]
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
+
+
+SAID: list[str] = []  # lines `say` queued that no test report has carried yet
+
+
+@pytest.fixture(scope="session")
+def say():
+    """`say(line)`: a line in pytest's own output, past the capture, so CI logs show it under -q (a venv's
+    build time, an engine's counters). On pytest-xdist workers, whose output nobody sees, too: the line rides
+    on the next test report to the process that prints the run."""
+    return SAID.append
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    if SAID:
+        outcome.get_result().user_properties.extend(("say", line) for line in SAID)
+        SAID.clear()
+
+
+def pytest_runtest_logreport(report):
+    """The process that prints the run (the only one, or xdist's controller) writes the lines `say` queued."""
+    lines = [value for name, value in report.user_properties if name == "say"]
+    reporter = CONFIG[0].pluginmanager.get_plugin("terminalreporter") if CONFIG else None
+    if lines and reporter is not None and not hasattr(CONFIG[0], "workerinput"):
+        reporter.ensure_newline()
+        for line in lines:
+            reporter.write_line(line)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The modules of `FIRST` first, in its order; every module's tests keep their order."""
+    tests = Path(__file__).parent
+
+    def rank(item) -> int:
+        module = item.path.relative_to(tests).as_posix() if item.path.is_relative_to(tests) else ""
+        return FIRST.index(module) if module in FIRST else len(FIRST)
+
+    items.sort(key=rank)
 
 
 @functools.cache
