@@ -27,7 +27,7 @@ DTYPES = tuple(TORCH_DTYPES)
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
 HIDDEN_STATES = ("online", "offline")
 LR_SCHEDULERS = ("cosine", "linear", "constant")
-DISTILL_LOSSES = ("soft_ce", "forward_kl")  # eagle.distill_loss
+DISTILL_LOSSES = ("soft_ce", "forward_kl", "lk_nla", "lk_hybrid")  # eagle.distill_loss (train.losses)
 REPORT_TO = ("none", "wandb", "tensorboard")
 HALF_PRECISIONS = {"bf16": "bfloat16", "fp16": "float16"}  # train.mixed_precision -> its model.dtype
 MIXED_PRECISIONS = ("no", *HALF_PRECISIONS)
@@ -163,7 +163,10 @@ class EagleTrainConfig:
     distill_loss: str = "soft_ce"  # eagle3 with a reduced vocabulary: soft_ce = cross-entropy against the
     # target's distribution renormalised over the draft vocabulary (EAGLE-3, SpecForge); forward_kl = against
     # the target's full-vocabulary probabilities of those tokens, so positions whose mass lies mostly outside
-    # the draft vocabulary (which the draft can never propose) weigh less
+    # the draft vocabulary (which the draft can never propose) weigh less; lk_nla / lk_hybrid = the LK losses
+    # (arXiv 2602.23881) on those same probabilities: -log of the expected acceptance, or KL and TV mixed
+    # by exp(-lk_eta * acceptance) per position (train.losses.lk_loss)
+    lk_eta: float = 3.0  # lk_hybrid's eta (the paper: 3 for EAGLE-3)
     noise_width: float = 0.2  # uniform noise U(-w/2, w/2) on input features against drift (EAGLE-1)
     feature_loss_weight: float = 1.0  # eagle1 SmoothL1 feature loss weight (EAGLE-1: 1.0); eagle3 has none
     ce_loss_weight: float = 0.1  # eagle1 soft-CE weight (EAGLE-1: 0.1); eagle3's TTT soft-CE is unweighted
@@ -179,6 +182,7 @@ class EagleTrainConfig:
         _at_least(self, 1, "ttt_steps")
         _require(0 < self.ttt_decay <= 1, f"ttt_decay must be in (0, 1], got {self.ttt_decay}")
         _one_of("distill_loss", self.distill_loss, DISTILL_LOSSES)
+        _at_least(self, 0, "lk_eta")
         _require(
             self.head_type == "eagle3" or not (self.norm_before_fc or self.norm_output),
             "norm_before_fc and norm_output are EAGLE-3.1 options: eagle.head_type must be eagle3",

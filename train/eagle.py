@@ -28,7 +28,7 @@ from train.distributed import check_deepspeed_precision, make_accelerator, shard
 from train.evaluate import simulated_tau
 from train.loader import load_datasets, load_frozen_target
 from train.loop import prepare_run, train_loop
-from train.losses import eagle1_loss, eagle3_ttt_loss
+from train.losses import eagle1_loss, eagle3_ttt_loss, needs_outside_mass
 from train.offline import offline_rows
 
 
@@ -69,6 +69,7 @@ class EagleStep(nn.Module):
             ttt_steps=self.cfg.ttt_steps,
             decay=self.cfg.ttt_decay,
             distill=self.cfg.distill_loss,
+            lk_eta=self.cfg.lk_eta,
         )
 
 
@@ -200,8 +201,8 @@ def main(cfg: EagleRunConfig) -> None:
     run = prepare_run(accelerator, cfg, step_module, head.parameters(), train_set)
 
     # 4. hidden states come from the target online, or from a dump (scripts/dump_hidden_states.py)
-    # EAGLE-3: the target's logits over the draft vocabulary only (+ the outside mass for forward KL)
-    draft_logits = draft_vocab_logits(head, target, other=cfg.eagle.distill_loss == "forward_kl")
+    # EAGLE-3: the target's logits over the draft vocabulary only (+ the outside mass for forward KL and LK)
+    draft_logits = draft_vocab_logits(head, target, other=needs_outside_mass(cfg.eagle.distill_loss))
     softcap = getattr(target.config.get_text_config(), "final_logit_softcapping", None)
     rows, collate_fn = offline_rows(  # draft_logits soft-caps itself; the full lm_head does not
         cfg.data,

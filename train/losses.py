@@ -1,5 +1,6 @@
 """Training losses as pure functions: EAGLE-1 (2401.15077 section 4.2), EAGLE-3 training-time test
-(2503.01840 section 3.2), Medusa-1 and Medusa-2's head term (2401.10774 section 2.2).
+(2503.01840 section 3.2), Medusa-1 and Medusa-2's head term (2401.10774 section 2.2), and the LK losses
+(2602.23881: negative log acceptance and the KL/TV hybrid) as EAGLE-3 distillation options.
 
 Alignment used throughout: the target's hidden state / logits at position t predict token t + 1; a draft
 output at position t (input: feature t and token t + 1) predicts feature t + 1 and token t + 2, so its
@@ -15,6 +16,9 @@ from torch import Tensor, nn
 from heads.eagle import DraftCache, EagleHead, additive_mask
 from heads.medusa import MedusaHeads
 
+LK_LOSSES = ("lk_nla", "lk_hybrid")
+DISTILL = ("soft_ce", "forward_kl", *LK_LOSSES)  # eagle3_ttt_loss's `distill` (config: eagle.distill_loss)
+
 
 def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
     """Mean of `values` where `mask` is set (0 when nothing is)."""
@@ -25,6 +29,38 @@ def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
 def soft_cross_entropy(logits: Tensor, target_probs: Tensor, mask: Tensor) -> Tensor:
     """Masked mean of -sum_v p(v) log q(v); logits (..., V), target_probs (..., V), mask (...)."""
     return masked_mean(-(target_probs * torch.log_softmax(logits.float(), dim=-1)).sum(-1), mask)
+
+
+NLA_FLOOR = 1e-5  # lk_nla: -log max(alpha, floor), so a position the draft misses entirely stays finite
+
+
+def acceptance(logits: Tensor, target_probs: Tensor) -> Tensor:
+    """alpha = sum_x min(p(x), q(x)) per position (..., V) -> (...): the probability that a token drawn from
+    the draft q is accepted against the target p (1 - their total variation distance). `target_probs` must
+    be the target's own probabilities (not renormalised over a reduced draft vocabulary: the draft proposes
+    nothing outside it, so the mass there is never accepted)."""
+    return torch.minimum(target_probs, torch.softmax(logits.float(), dim=-1)).sum(-1)
+
+
+def lk_loss(logits: Tensor, target_probs: Tensor, mask: Tensor, kind: str, eta: float = 3.0) -> Tensor:
+    """The LK losses (Samarin et al., arXiv 2602.23881), masked means over positions.
+
+    "lk_nla": -log alpha, the negative log of the expected acceptance (`acceptance`); with a one-hot target it
+    is the cross-entropy. "lk_hybrid": lambda * KL(p || q) + (1 - lambda) * TV(p, q) with TV = 1 - alpha and
+    lambda = exp(-eta * alpha) per position, alpha not differentiated through: KL's gradients while the draft
+    is far from the target (TV's vanish for a near-uniform draft over a large vocabulary), TV's once it
+    accepts often. KL is over the draft vocabulary's tokens, sum p log(p / q), which differs from the full
+    divergence by terms the draft cannot change.
+    """
+    alpha = acceptance(logits, target_probs)
+    if kind == "lk_nla":
+        return masked_mean(-torch.log(alpha.clamp_min(NLA_FLOOR)), mask)
+    if kind != "lk_hybrid":
+        raise ValueError(f"kind must be 'lk_nla' or 'lk_hybrid', got {kind!r}")
+    logq = torch.log_softmax(logits.float(), dim=-1)
+    kl = (torch.xlogy(target_probs, target_probs) - target_probs * logq).sum(-1)
+    weight = torch.exp(-eta * alpha.detach())
+    return masked_mean(weight * kl + (1 - weight) * (1 - alpha), mask)
 
 
 def _top1(logits: Tensor, target_probs: Tensor, mask: Tensor) -> Tensor:
@@ -110,6 +146,7 @@ def eagle3_ttt_loss(
     ttt_steps: int = 3,
     decay: float = 0.8,
     distill: str = "soft_ce",
+    lk_eta: float = 3.0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """EAGLE-3 training-time test: unroll the draft on its own features for `ttt_steps` steps.
 
@@ -117,7 +154,8 @@ def eagle3_ttt_loss(
     step's logits over the draft vocabulary are trained against the target's distribution over the draft
     vocabulary, weighted decay**j: renormalised over it ("soft_ce"), or as the target's full-vocabulary
     probabilities of those tokens ("forward_kl": the KL divergence from the target up to terms the draft
-    cannot change; a position whose target mass lies outside the draft vocabulary weighs less).
+    cannot change; a position whose target mass lies outside the draft vocabulary weighs less), or by an LK
+    loss on those same probabilities ("lk_nla", "lk_hybrid": `lk_loss`).
 
     Args:
         head: an eagle3 head (its t2d selects the draft vocabulary).
@@ -128,10 +166,13 @@ def eagle3_ttt_loss(
         embed: the target's frozen embedding.
         ttt_steps: unrolled steps (>= 1).
         decay: step weight base.
-        distill: "soft_ce" or "forward_kl" (needs full logits or the outside column when Vd < V).
+        distill: one of `DISTILL` ("forward_kl" and the LK losses need full logits or the outside column
+            when Vd < V).
+        lk_eta: lk_hybrid's eta.
     Returns:
-        (loss, metrics) with `loss_step{j}` and `top1_step{j}` per step, and `draft_mass` (the target's mean
-        probability inside the draft vocabulary) when it is known.
+        (loss, metrics) with `loss_step{j}` and `top1_step{j}` per step, and, when the target's mass inside
+        the draft vocabulary is known, `draft_mass` (its mean) and `alpha_step{j}` (the mean acceptance
+        probability of a token drawn from step j's draft, `acceptance`).
     """
     if ttt_steps < 1:
         raise ValueError(f"ttt_steps must be >= 1, got {ttt_steps}")
@@ -152,10 +193,16 @@ def eagle3_ttt_loss(
         hidden = head(features, embeds, positions, cache, attention_mask=mask)  # (B, T-1, H)
         logits = head.logits(hidden, None)  # (B, T-1, Vd)
         valid = token_mask & (index >= step)[None]  # a full chain exists
-        step_loss = soft_cross_entropy(logits, target_probs, valid)
+        if distill in LK_LOSSES:
+            step_loss = lk_loss(logits, target_probs, valid, distill, lk_eta)
+        else:
+            step_loss = soft_cross_entropy(logits, target_probs, valid)
         total = total + decay**step * step_loss
         metrics[f"loss_step{step}"] = step_loss.detach()
         metrics[f"top1_step{step}"] = _top1(logits.detach(), target_probs, valid)
+        if draft_mass is not None:
+            own = target_probs if distill != "soft_ce" else target_probs * draft_mass.unsqueeze(-1)
+            metrics[f"alpha_step{step}"] = masked_mean(acceptance(logits.detach(), own), valid)
         features = torch.cat([torch.zeros_like(hidden[:, :1]), hidden[:, :-1]], dim=1)  # step j+1 input at t
     if draft_mass is not None:
         metrics["draft_mass"] = masked_mean(draft_mass, token_mask)
@@ -169,13 +216,13 @@ def draft_target_probs(head: EagleHead, target_logits: Tensor, distill: str) -> 
     Args:
         head: the eagle3 head (draft_vocab_size, vocab_size, t2d).
         target_logits: (..., V), (..., Vd) or (..., Vd + 1) with the log outside mass last.
-        distill: "soft_ce" (renormalised over the draft vocabulary) or "forward_kl" (full-vocabulary
-            probabilities of the draft tokens).
+        distill: "soft_ce" (renormalised over the draft vocabulary), or "forward_kl" and the LK losses
+            (full-vocabulary probabilities of the draft tokens: `needs_outside_mass`).
     Returns:
         ((..., Vd) float32 probabilities, (...) mass inside the draft vocabulary or None).
     """
-    if distill not in ("soft_ce", "forward_kl"):
-        raise ValueError(f"distill must be 'soft_ce' or 'forward_kl', got {distill!r}")
+    if distill not in DISTILL:
+        raise ValueError(f"distill must be one of {', '.join(DISTILL)}, got {distill!r}")
     draft, full = head.config.draft_vocab_size, head.config.vocab_size
     width = target_logits.shape[-1]
     if width == full and draft != full:  # full-vocabulary logits
@@ -183,9 +230,9 @@ def draft_target_probs(head: EagleHead, target_logits: Tensor, distill: str) -> 
     elif width == draft + 1 and draft != full:  # draft vocabulary + the outside mass
         probs = torch.softmax(target_logits.float(), dim=-1)[..., :draft]
     elif width == draft:  # the draft vocabulary alone: its mass is unknown (or 1 when it is the full one)
-        if distill == "forward_kl" and draft != full:
+        if needs_outside_mass(distill) and draft != full:
             raise ValueError(
-                f"forward_kl needs the target's mass outside the {draft}-token draft vocabulary: pass logits "
+                f"{distill} needs the target's mass outside the {draft}-token draft vocabulary: pass logits "
                 f"over all {full} tokens or with the outside column ({draft + 1})"
             )
         probs = torch.softmax(target_logits.float(), dim=-1)
@@ -193,7 +240,14 @@ def draft_target_probs(head: EagleHead, target_logits: Tensor, distill: str) -> 
     else:
         raise ValueError(f"target logits of width {width}: expected {full}, {draft} or {draft + 1}")
     mass = probs.sum(-1)
-    return (probs if distill == "forward_kl" else probs / mass.unsqueeze(-1)), mass
+    return (probs if needs_outside_mass(distill) else probs / mass.unsqueeze(-1)), mass
+
+
+def needs_outside_mass(distill: str) -> bool:
+    """Whether an EAGLE-3 `distill` loss trains on the target's own probabilities of the draft tokens (so
+    on reduced-vocabulary logits it needs the mass outside the draft vocabulary) rather than renormalised
+    ones."""
+    return distill != "soft_ce"
 
 
 def medusa_loss(

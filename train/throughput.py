@@ -15,6 +15,7 @@ from decode.timing import synchronize
 from heads import FeatureCapture
 from train.config import EagleTrainConfig, MedusaTrainConfig
 from train.eagle import EagleStep, draft_vocab_logits, new_head, target_pass
+from train.losses import needs_outside_mass
 from train.medusa import MedusaStep, new_heads
 
 
@@ -70,7 +71,7 @@ def step_times(
         head = new_head(cfg, target, token_rows)
         step = EagleStep(head, cfg, target.get_input_embeddings(), target.get_output_embeddings())
         optimizer = torch.optim.AdamW(head.parameters(), lr=1e-4)
-        draft_logits = draft_vocab_logits(head, target, other=cfg.distill_loss == "forward_kl")
+        draft_logits = draft_vocab_logits(head, target, other=needs_outside_mass(cfg.distill_loss))
         with FeatureCapture(target, head.feature_layers) as capture:
 
             def eagle_step(batch, step=step, optimizer=optimizer, capture=capture, draft_logits=draft_logits):

@@ -30,8 +30,12 @@ FAST = ["train.eval_tau_prompts=0", "eagle.draft_vocab_size=256"]  # cheap steps
         ("eagle3", ["eagle.aux_layer_ids=[0,2,3]", "eagle.draft_vocab_size=512"]),
         ("eagle3", ["eagle.aux_layer_ids=[0,2,3]", "eagle.norm_before_fc=true", "eagle.norm_output=true"]),
         ("eagle1", []),
+        (
+            "eagle3",
+            ["eagle.aux_layer_ids=[0,2,3]", "eagle.draft_vocab_size=512", "eagle.distill_loss=lk_hybrid"],
+        ),
     ],
-    ids=["eagle3", "eagle3.1", "eagle1"],
+    ids=["eagle3", "eagle3.1", "eagle1", "eagle3-lk_hybrid"],
 )
 def test_smoke_export_round_trips_and_decodes_losslessly(
     head_type, extra, tmp_path, overrides, run_recipe, tiny_target_dir, ckpt

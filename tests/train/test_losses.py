@@ -6,7 +6,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from decode.drafters.eagle import EagleDrafter
 from heads import EagleConfig, EagleHead, FeatureCapture, MedusaConfig, MedusaHeads
-from train.losses import eagle1_loss, eagle3_ttt_loss, medusa_loss, ttt_attention_mask
+from train.losses import acceptance, eagle1_loss, eagle3_ttt_loss, lk_loss, medusa_loss, ttt_attention_mask
 
 V, H = 64, 32
 
@@ -291,3 +291,93 @@ def test_forward_kl_weighs_the_target_mass_inside_the_draft_vocabulary(target):
         for d in ("soft_ce", "forward_kl")
     ]
     torch.testing.assert_close(same[0], same[1])
+
+
+def test_lk_nla_is_minus_log_acceptance_and_the_cross_entropy_of_a_one_hot_target():
+    torch.manual_seed(0)
+    logits, p = torch.randn(3, 4, 10) * 2, torch.softmax(torch.randn(3, 4, 10) * 2, -1)
+    mask = torch.tensor([[1, 1, 0, 1], [1, 0, 1, 1], [0, 0, 0, 1]])
+    q = torch.softmax(logits, -1)
+    alpha = torch.minimum(p, q).sum(-1)
+    torch.testing.assert_close(acceptance(logits, p), alpha)
+    torch.testing.assert_close(alpha, 1 - 0.5 * (p - q).abs().sum(-1))  # 1 - total variation
+    torch.testing.assert_close(lk_loss(logits, p, mask, "lk_nla"), -alpha.log()[mask.bool()].mean())
+    one_hot = torch.nn.functional.one_hot(p.argmax(-1), 10).float()
+    ce = torch.nn.functional.cross_entropy(logits.reshape(-1, 10), p.argmax(-1).reshape(-1), reduction="none")
+    torch.testing.assert_close(lk_loss(logits, one_hot, mask, "lk_nla"), ce.reshape(3, 4)[mask.bool()].mean())
+    far = torch.full((1, 10), -1e4)
+    far[0, 0] = (
+        1e4  # the draft puts everything where the target puts nothing: alpha underflows, loss stays finite
+    )
+    target = torch.zeros(1, 10)
+    target[0, 1] = 1.0
+    assert torch.isfinite(lk_loss(far, target, torch.ones(1), "lk_nla"))
+    with pytest.raises(ValueError, match="'lk_nla' or 'lk_hybrid'"):
+        lk_loss(logits, p, mask, "nla")
+
+
+def test_lk_hybrid_weighs_kl_and_tv_by_the_acceptance_without_differentiating_the_weight():
+    """lambda = exp(-eta alpha) is a constant for the gradient: the loss's gradient equals the gradient of
+    lambda * KL + (1 - lambda) * TV with lambda computed beforehand and held fixed; a draft far from the
+    target leans on KL (lambda near 1), a close one on TV."""
+    torch.manual_seed(1)
+    p = torch.softmax(torch.randn(5, 12) * 3, -1)
+    mask = torch.ones(5)
+    logits = (torch.randn(5, 12) * 3).requires_grad_()
+    loss = lk_loss(logits, p, mask, "lk_hybrid", eta=3.0)
+    (grad,) = torch.autograd.grad(loss, logits)
+
+    fixed = logits.detach().clone().requires_grad_()
+    q = torch.softmax(fixed, -1)
+    alpha = torch.minimum(p, q).sum(-1)
+    weight = torch.exp(-3.0 * alpha).detach()
+    kl = (p * (p.log() - q.log())).sum(-1)
+    expected = (weight * kl + (1 - weight) * (1 - alpha)).mean()
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(grad, torch.autograd.grad(expected, fixed)[0])
+    close = p.log() + 0.01 * torch.randn(5, 12)  # a draft close to the target: alpha near 1, small weight
+    assert (torch.exp(-3.0 * acceptance(close, p)) < 0.06).all() and (weight > 0.05).all()
+    assert lk_loss(close, p, mask, "lk_hybrid") < loss
+
+
+def test_lk_losses_train_eagle3_on_the_targets_own_probabilities_and_report_the_acceptance(target):
+    """The TTT loss with an LK distillation: it needs the target's mass outside the draft vocabulary (as
+    forward_kl does), reports alpha per step for every distillation (the mean acceptance of a draft token),
+    and an optimizer step on lk_nla raises that acceptance."""
+    from train.losses import draft_target_probs
+
+    torch.manual_seed(4)
+    head = EagleHead(EagleConfig.from_target(target.config, "eagle3", draft_vocab_size=16))
+    head.set_draft_vocab(torch.randperm(V)[:16])
+    ids = torch.randint(0, V, (2, 8))
+    features, full_logits = _target_pass(target, head, ids)
+    full_logits = full_logits * 4  # a peaked target (the tiny random one is near uniform: alpha = its mass)
+    mask, embed = torch.ones(2, 8, dtype=torch.long), target.get_input_embeddings()
+    with pytest.raises(ValueError, match="lk_nla needs the target's mass outside"):
+        draft_target_probs(head, full_logits[..., head.t2d], "lk_nla")
+    for distill in ("soft_ce", "lk_hybrid"):
+        _, metrics = eagle3_ttt_loss(
+            head, features, ids, full_logits, mask, embed, ttt_steps=2, distill=distill
+        )
+        assert 0 < metrics["alpha_step0"] <= metrics["draft_mass"] <= 1  # nothing outside Vd is accepted
+    # alpha_step0 by hand: the first step's draft over the draft vocabulary against the target's own p
+    with torch.no_grad():
+        hidden = head(
+            head.project_features(features[:, :-1]), embed(ids[:, 1:]), torch.arange(7).expand(2, -1)
+        )
+        own = torch.softmax(full_logits[:, 1:], -1)[..., head.t2d]
+        by_hand = acceptance(head.logits(hidden, None), own)[:, :-1].mean()
+    torch.testing.assert_close(metrics["alpha_step0"], by_hand)
+    optimizer = torch.optim.SGD(head.parameters(), lr=0.5)
+    before = None
+    for _ in range(5):
+        loss, metrics = eagle3_ttt_loss(
+            head, features, ids, full_logits, mask, embed, ttt_steps=1, distill="lk_nla"
+        )
+        before = metrics["alpha_step0"] if before is None else before
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert (
+        eagle3_ttt_loss(head, features, ids, full_logits, mask, embed, ttt_steps=1)[1]["alpha_step0"] > before
+    )
