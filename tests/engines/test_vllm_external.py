@@ -20,7 +20,12 @@ at ones), drafts differently with it.
 OpenAI-compatible server on 127.0.0.1, the `openai` client sends the 4 chat prompts one at a time, and the
 replies and the speculative-decoding counters read from the server's /metrics equal ours.
 
-Cost: each head is trained once, the three side by side with one thread each (`HEADS`, `heads`); every
+The EAGLE-3 and Medusa-1 heads are the ones shipped in pretrained/ (trained by our recipes; they draft right
+often, so the broken exports below draft clearly differently); the EAGLE-3 one has the EAGLE-3.1 norms, and
+the classic layout is checked with that head's weights moved into it (`classic`). EAGLE-1 has no shipped head:
+it is trained briefly here (`TRAINED`).
+
+Cost: no head but EAGLE-1 is trained (`heads`); every
 offline vLLM run the selected tests read (`NEEDS`) is made in ONE vllm_check.py call, one engine after another
 in one process (vLLM imported once, its engine core in that process, where it takes one core), while this
 process decodes the same prompts itself on the other core and the server of the serve_vllm.py test starts up;
@@ -58,7 +63,8 @@ from decode.tree import chain
 from engines.export import export_head, validate_export
 from engines.serving import PER_POSITION, spec_metrics
 from heads import EagleHead, FeatureCapture, load_heads
-from targets import load_target, materialize_default_target
+from heads.shipping import pretrained_dir
+from targets import DEFAULT_TARGET, load_target, materialize_default_target
 from targets.layer_draft import layer_draft, save_layer_draft
 from train.venv import VLLM, VLLM_ENV, clean_env, venv_folder, venv_stamp
 from train.venv import vllm_python as vllm_python_build
@@ -75,33 +81,22 @@ PROMPTS, NEW_TOKENS, DRAFTS = 4, 64, 3
 DRAFT_LAYERS = 20
 BF16 = "train.mixed_precision=bf16"  # bf16 autocast, as quickstart.yaml trains: cheaper steps on this CPU
 
-# The heads the tests serve, each trained once (the `heads` fixture trains those the selected tests need, side
-# by side): recipe, config, optimizer steps, overrides. Steps: enough for heads whose drafts are often right
-# (counts that are all 0 would prove nothing). EAGLE-3 needs its 60: they also leave the broken exports of the
-# speculators test drafting differently from the right one (after 30 steps the wrong taps drafted exactly as
-# the right ones). EAGLE-1 at its config's lr of 1e-4 (meant for long runs) accepted at the first position
-# only after 60 steps; at 1e-3 it accepts at all 3 after 30, and so does Medusa after 20.
-HEADS = {
-    "eagle3": (
-        "train/eagle.py",
-        "configs/quickstart.yaml",
-        60,
-        "eagle.norm_before_fc=false",  # the classic layout; the EAGLE-3.1 norms get their own test
-        "eagle.norm_output=false",
-    ),
-    "eagle1": ("train/eagle.py", "configs/eagle1_smollm2.yaml", 30, "train.learning_rate=1e-3", BF16),
-    "medusa": ("train/medusa.py", "configs/medusa1_smollm2.yaml", 20, BF16),
-}
+# The heads the tests serve: shipped (pretrained/) or trained here once (recipe, config, optimizer steps,
+# overrides). Steps: enough for drafts that are often right (counts that are all 0 would prove nothing).
+# EAGLE-1 at its config's lr of 1e-4 (meant for long runs) accepted at the first position only after 60
+# steps; at 1e-3 it accepts at all 3 after 30.
+SHIPPED = {"eagle3": "eagle3", "medusa": "medusa1"}
+TRAINED = {"eagle1": ("train/eagle.py", "configs/eagle1_smollm2.yaml", 30, "train.learning_rate=1e-3", BF16)}
 
 # What each test reads: the offline vLLM runs (vllm_check.py jobs; the `vllm_runs` fixture makes those of all
-# selected tests in ONE vllm_check.py call, so vLLM is imported once for all of them) and the heads (`HEADS`).
+# selected tests in ONE vllm_check.py call, so vLLM is imported once for all of them) and the heads.
 NEEDS = {
     "test_vllm_without_drafts_decodes_as_we_do": (("plain",), ()),
     "test_vllm_serves_the_speculators_export_as_we_decode": (
         ("speculators", "broken", "unnormed"),
         ("eagle3",),
     ),
-    "test_vllm_serves_eagle31_norms_as_we_decode": (("speculators-3.1",), ("eagle3",)),
+    "test_vllm_serves_the_classic_eagle3_layout_as_we_decode": (("speculators-classic",), ("eagle3",)),
     "test_serve_vllm_script_answers_openai_chat_requests_and_reports_acceptance": ((), ("eagle3",)),
     "test_vllm_serves_the_eagle1_export_as_we_decode": (("eagle1",), ("eagle1",)),
     "test_vllm_serves_the_medusa_export_as_we_decode": (("medusa-vllm",), ("medusa",)),
@@ -160,16 +155,20 @@ def setup(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def heads(request, setup, say) -> dict[str, tuple]:
-    """The default target's heads of `HEADS` that the selected tests need, trained on the committed chats as
-    subprocesses side by side, one thread each (three runs fill both cores): name -> (head, its folder)."""
+    """The default target's heads that the selected tests need: name -> (head, its folder). Shipped ones are
+    loaded from pretrained/; the others (`TRAINED`) are trained on the committed chats as subprocesses side
+    by side, one thread each."""
     root, model = setup[:2]
+    shipped = {
+        name: pretrained_dir(DEFAULT_TARGET, SHIPPED[name]) for name in needed(request, 1) if name in SHIPPED
+    }
     quiet = ["train.save_every_steps=0", "train.eval_every_steps=0", "train.eval_tau_prompts=0"]
     quiet += ["data.hidden_states=online"]  # a few steps: no dump (the main job's config is offline)
     quiet += ["data.eval_fraction=0"]  # no held-out slice: no evaluation at the end (half of a short run)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     start, runs = time.perf_counter(), {}
-    for name in sorted(needed(request, 1)):
-        recipe, config, steps, *overrides = HEADS[name]
+    for name in sorted(needed(request, 1) - shipped.keys()):
+        recipe, config, steps, *overrides = TRAINED[name]
         out = root / f"run-{name}"
         command = [sys.executable, recipe, config, f"train.max_steps={steps}", f"train.output_dir={out}"]
         with (root / f"train-{name}.log").open("w") as log:
@@ -190,7 +189,8 @@ def heads(request, setup, say) -> dict[str, tuple]:
         assert process.returncode == 0, f"training {name} failed:\n{log[-4000:]}"
     if runs:
         say(f"trained {', '.join(runs)} side by side in {time.perf_counter() - start:.0f} s")
-    return {name: (load_heads(out / "head", target=model), out / "head") for name, (_, out) in runs.items()}
+    folders = {**shipped, **{name: out / "head" for name, (_, out) in runs.items()}}
+    return {name: (load_heads(folder, target=model).eval(), folder) for name, folder in folders.items()}
 
 
 def ours(model, head, prompts) -> tuple[list[list[int]], int, list[int]]:
@@ -234,17 +234,19 @@ def reparametrised(head: EagleHead) -> EagleHead:
     return twice
 
 
-def eagle31(head: EagleHead, model, prompt: list[int]) -> EagleHead:
-    """The trained head with both EAGLE-3.1 norms switched on, the new input norm's weight set to the taps'
-    typical RMS (so the fused input keeps its scale and the head still drafts right often)."""
-    v31 = EagleHead(dataclasses.replace(head.config, norm_before_fc=True, norm_output=True))
-    missing = v31.load_state_dict(head.state_dict(), strict=False).missing_keys
-    assert missing == ["input_norm.weight"]
+def classic(head: EagleHead, model, prompt: list[int]) -> EagleHead:
+    """The shipped EAGLE-3.1 head in the classic EAGLE-3 layout (no norm over the taps before fc, the raw
+    output as the next step's feature): its weights, with the input norm folded into fc at the taps' typical
+    RMS (exact for a token whose taps have that RMS), so the head still drafts right often."""
+    assert head.config.norm_before_fc and head.config.norm_output
+    plain = EagleHead(dataclasses.replace(head.config, norm_before_fc=False, norm_output=False))
+    state = {key: value for key, value in head.state_dict().items() if key != "input_norm.weight"}
+    plain.load_state_dict(state, strict=True)
     with torch.no_grad(), FeatureCapture(model, head.feature_layers) as capture:
         model(torch.tensor([prompt]))
         rms = capture.features().pow(2).mean(-1).sqrt().median()
-        v31.input_norm.weight.fill_(rms)
-    return v31.eval()
+        plain.fc.weight.mul_(head.input_norm.weight[None, :] / rms)
+    return plain.eval()
 
 
 def export(head, fmt: str, folder: Path, model) -> Path:
@@ -283,9 +285,10 @@ def prepare_runs(names: set[str], setup, heads: dict) -> dict[str, tuple[Path | 
         (unnormed / "config.json").write_text((folder / "config.json").read_text())
         save_file({k: v for k, v in tensors.items() if k != norm}, unnormed / "model.safetensors")
         runs["unnormed"] = (unnormed, "eagle3", twice)
-    if "speculators-3.1" in names:
-        v31 = eagle31(heads["eagle3"][0], model, prompts[0])
-        runs["speculators-3.1"] = (export(v31, "speculators", root / "speculators-3.1", model), "eagle3", v31)
+    if "speculators-classic" in names:
+        plain = classic(heads["eagle3"][0], model, prompts[0])
+        folder = export(plain, "speculators", root / "speculators-classic", model)
+        runs["speculators-classic"] = (folder, "eagle3", plain)
     if "eagle1" in names:
         head = heads["eagle1"][0]
         runs["eagle1"] = (export(head, "eagle1", root / "eagle1", model), "eagle", head)
@@ -400,10 +403,10 @@ def test_vllm_serves_the_speculators_export_as_we_decode(vllm_runs, setup, decod
 
     # a converter that forgets a norm (the fused feature's, EAGLE-3 only, so the one most easily left out).
     # vLLM 0.32 loads such a folder without a word (its loader's missing-weight check exempts unquantized
-    # models): the norm stays at its init, ones. A 60-step head's norms are within 2% of ones, too close to
-    # change a draft, so the head is reparametrised first (`reparametrised`): hidden_norm x 2 and the
-    # attention's weights on its output / 2, exact in floating point (powers of two), so the same drafts, with
-    # a norm far from ones
+    # models): the norm stays at its init, ones. A briefly trained head's norms stay within 2% of ones, too
+    # close to change a draft, so, whatever head this is, it is reparametrised first (`reparametrised`):
+    # hidden_norm x 2 and the attention's weights on its output / 2, exact in floating point (powers of two),
+    # so the same drafts, with a norm far from ones
     result = vllm_runs["unnormed"]
     twice = result["head"]
     torch.testing.assert_close(twice.midlayer.hidden_norm.weight, 2 * head.midlayer.hidden_norm.weight)
@@ -422,12 +425,12 @@ def test_vllm_serves_the_speculators_export_as_we_decode(vllm_runs, setup, decod
         say(f"vLLM eagle3 without {norm} (loaded silently): {counters(result)} instead of {expected}")
 
 
-def test_vllm_serves_eagle31_norms_as_we_decode(vllm_runs, setup, decoded, say):
-    """The EAGLE-3.1 flags (norm_before_fc, norm_output) as vLLM reads them: the trained head with both norms
-    switched on, the new input norm's weight set to the taps' typical RMS (`eagle31`: so the fused input keeps
-    its scale and the head still drafts right often); vLLM must draft exactly as we do."""
-    result = vllm_runs["speculators-3.1"]
-    assert result["head"].config.norm_before_fc and result["head"].config.norm_output
+def test_vllm_serves_the_classic_eagle3_layout_as_we_decode(vllm_runs, setup, decoded, say):
+    """The classic EAGLE-3 layout (norm_before_fc and norm_output off, as EAGLE-3 and SpecForge train it) as
+    vLLM reads it: the shipped head's weights moved into that layout (`classic`); vLLM must draft exactly as
+    we do."""
+    result = vllm_runs["speculators-classic"]
+    assert not (result["head"].config.norm_before_fc or result["head"].config.norm_output)
     check_served(setup, say, decoded, result)
 
 
