@@ -9,6 +9,7 @@ from decode.sizing import best_tree
 from decode.tree import (
     DEFAULT_EAGLE_TREE,
     DEFAULT_TREES,
+    BestFirstTree,
     DynamicTree,
     TreeBuffers,
     build_tree,
@@ -19,6 +20,7 @@ from decode.tree import (
 __all__ = [
     "DEFAULT_EAGLE_TREE",
     "DEFAULT_TREES",
+    "BestFirstTree",
     "Calibration",
     "DraftLimits",
     "Drafter",

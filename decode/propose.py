@@ -19,6 +19,7 @@ level and once per proposal.
 from __future__ import annotations
 
 import functools
+import heapq
 import math
 from dataclasses import dataclass
 
@@ -26,7 +27,7 @@ import torch
 from torch import Tensor
 
 from decode.drafter import Drafter
-from decode.tree import DraftTree, DynamicTree, TreeBuffers, build_tree
+from decode.tree import BestFirstTree, DraftTree, DynamicTree, TreeBuffers, ancestor_mask, build_tree
 
 
 @dataclass
@@ -177,7 +178,7 @@ class Growth:
 def propose(
     drafter: Drafter | None,
     roots: Tensor,
-    tree: TreeBuffers | DynamicTree | None,
+    tree: TreeBuffers | DynamicTree | BestFirstTree | None,
     *,
     temperature: float,
     generator: torch.Generator | None,
@@ -205,6 +206,8 @@ def propose(
     try:
         if isinstance(tree, DynamicTree):
             return _grow_dynamic(drafter, roots, root_logits, tree, draws)
+        if isinstance(tree, BestFirstTree):
+            return _grow_best_first(drafter, roots, root_logits, tree, draws["temperature"])
         return _grow_static(drafter, roots, root_logits, tree, draws)
     finally:
         drafter.end_proposal()
@@ -250,6 +253,77 @@ def _grow_dynamic(
     order = torch.sort(-scores[:, 1:], dim=1, stable=True).indices[:, :budget] + 1
     keep = torch.cat([order.new_zeros(batch, 1), order], dim=1).sort(dim=1).values
     return growth.result(reached, k, keep)
+
+
+def _grow_best_first(
+    drafter: Drafter, roots: Tensor, root_logits: Tensor, spec: BestFirstTree, temperature: float
+) -> list[DraftTree]:
+    """DDTree: per row, the `spec.budget` likeliest rank paths of a block drafter's per-depth distributions
+    (`best_first_paths`), from one read of each depth's top-`budget` log-probabilities."""
+    limits = drafter.limits()
+    if not limits.block:
+        raise ValueError(
+            "a BestFirstTree needs a block drafter (one forward scores every depth, whatever the parent); "
+            "this drafter drafts one level per call: use a DynamicTree"
+        )
+    if temperature != 0:
+        raise ValueError("a BestFirstTree decodes greedily only for now (temperature=0)")
+    caps = [d for d in (spec.depth, limits.max_depth) if d is not None]
+    if not caps:
+        raise ValueError("this drafter states no maximum depth: give the BestFirstTree a depth")
+    depth = min(caps)
+    batch, device = roots.shape[0], roots.device
+    levels = [root_logits]
+    no_parent, token = torch.full((batch, 1), -1, device=device), roots[:, None]
+    for level in range(1, depth):  # a block drafter ignores the parent: one call per depth, any node
+        levels.append(drafter.expand(no_parent, token, level)[:, 0])
+    logq = torch.log_softmax(torch.stack(levels, dim=1).float(), dim=-1)  # (B, D, Vd)
+    top = torch.topk(logq, min(spec.budget, logq.shape[-1]), dim=-1)
+    ids = drafter.to_target_ids(top.indices)  # (B, D, k)
+    values = top.values.tolist()  # the proposal's one read of the device
+    trees = []
+    for b in range(batch):
+        paths = best_first_paths(values[b], spec.budget)
+        index = {path: i + 1 for i, path in enumerate(paths)}
+        parents = [-1] + [index.get(path[:-1], 0) for path in paths]
+        depths = [0] + [len(path) for path in paths]
+        ranks = [0] + [path[-1] for path in paths]
+        parent_tensor = torch.tensor(parents, device=device)
+        depth_tensor, rank_tensor = torch.tensor(depths, device=device), torch.tensor(ranks, device=device)
+        tokens = torch.cat([roots[b : b + 1], ids[b, depth_tensor[1:] - 1, rank_tensor[1:]]])
+        children = [ranks[i] + 1 for i in range(1, len(paths) + 1)]
+        trees.append(
+            DraftTree(
+                tokens=tokens,
+                parents=parent_tensor,
+                ranks=rank_tensor,
+                depths=depth_tensor,
+                ancestors=ancestor_mask(parent_tensor.cpu()).to(device),
+                max_depth=max(depths),
+                max_children=max(children, default=0),
+            )
+        )
+    return trees
+
+
+def best_first_paths(logq: list[list[float]], budget: int) -> list[tuple[int, ...]]:
+    """The `budget` rank paths (r_1, ..., r_d) of highest total sum_i logq[i][r_i], best first (ties: the
+    earlier pushed), where logq[i] is depth i + 1's log-probabilities in decreasing order. Every path comes
+    after its prefix (its score is lower), so parents precede children."""
+    depths, width = len(logq), len(logq[0]) if logq else 0
+    heap, out, pushed = [(-logq[0][0], 0, (0,))] if width else [], [], 1
+    while heap and len(out) < budget:
+        negative, _, path = heapq.heappop(heap)
+        out.append(path)
+        depth, rank = len(path) - 1, path[-1]
+        if rank + 1 < width:  # the next sibling: the same prefix, the next rank at this depth
+            sibling = -negative - logq[depth][rank] + logq[depth][rank + 1]
+            heapq.heappush(heap, (-sibling, pushed, (*path[:-1], rank + 1)))
+            pushed += 1
+        if depth + 1 < depths:  # the first child: the best rank one depth further
+            heapq.heappush(heap, (negative - logq[depth + 1][0], pushed, (*path, 0)))
+            pushed += 1
+    return out
 
 
 def _root_only(root: Tensor) -> DraftTree:

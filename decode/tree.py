@@ -61,8 +61,30 @@ class DynamicTree:
             raise ValueError(f"DynamicTree.min_prob must be in [0, 1), got {self.min_prob}")
 
 
-def tree_label(tree: DynamicTree | str | Sequence[Sequence[int]]) -> str:
+@dataclass(frozen=True)
+class BestFirstTree:
+    """DDTree (arXiv 2604.12989): the `budget` likeliest paths of a block drafter, best first. A block
+    drafter scores each depth independently of the parent (one forward drafts every level), so a node's score
+    is the sum of its path's per-depth log q; the tree is the `budget` highest-scoring rank paths up to
+    `depth` levels (None: as deep as the drafter drafts). Built by a best-first search over rank paths (each
+    node popped pushes its next sibling and its first child), on the host from one read of each depth's top
+    `budget` log-probabilities per proposal. Greedy decoding only for now: sampling would need the draws
+    without replacement the lossless rule reads, per node."""
+
+    budget: int = 16
+    depth: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.budget < 1:
+            raise ValueError(f"BestFirstTree.budget must be >= 1, got {self.budget}")
+        if self.depth is not None and self.depth < 1:
+            raise ValueError(f"BestFirstTree.depth must be >= 1 or None, got {self.depth}")
+
+
+def tree_label(tree: DynamicTree | BestFirstTree | str | Sequence[Sequence[int]]) -> str:
     """A one-line description of a tree argument of `decode.generate` (reports, benchmark tables)."""
+    if isinstance(tree, BestFirstTree):
+        return f"best-first(budget={tree.budget}" + (f", depth={tree.depth})" if tree.depth else ")")
     if isinstance(tree, DynamicTree):
         bound = f", min_prob={tree.min_prob:g}" if tree.min_prob > 0 else ""
         return f"dynamic(depth={tree.depth}, top_k={tree.top_k}, total={tree.total_tokens}{bound})"
@@ -77,6 +99,8 @@ def verify_rows(tree: DynamicTree | TreeBuffers | str | Sequence[Sequence[int]])
     weights for."""
     if isinstance(tree, DynamicTree):
         return tree.total_tokens + 1
+    if isinstance(tree, BestFirstTree):
+        return tree.budget + 1
     if isinstance(tree, TreeBuffers):
         return len(tree)
     return len(DEFAULT_TREES[tree] if isinstance(tree, str) else tree) + 1
@@ -219,9 +243,10 @@ def resolve_tree(
         tree = DEFAULT_TREES[tree]
     if isinstance(tree, (list, tuple)):
         tree = build_tree(tree)
-    if not isinstance(tree, (TreeBuffers, DynamicTree)):
+    if not isinstance(tree, (TreeBuffers, DynamicTree, BestFirstTree)):
         raise TypeError(
-            f"tree must be rank paths, a tree name, TreeBuffers or DynamicTree, got {type(tree).__name__}"
+            "tree must be rank paths, a tree name, TreeBuffers, DynamicTree or BestFirstTree, got "
+            f"{type(tree).__name__}"
         )
     if max_depth is not None and isinstance(tree, TreeBuffers) and tree.depth > max_depth:
         raise ValueError(f"tree depth {tree.depth} exceeds the {max_depth} levels these heads can draft")
