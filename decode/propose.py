@@ -281,29 +281,30 @@ def _grow_best_first(
     top = torch.topk(logq, min(spec.budget, logq.shape[-1]), dim=-1)
     ids = drafter.to_target_ids(top.indices)  # (B, D, k)
     values = top.values.tolist()  # the proposal's one read of the device
-    trees = []
-    for b in range(batch):
-        paths = best_first_paths(values[b], spec.budget)
+    shapes = []  # per row, root first: parents, depths, ranks (every row has the same number of nodes)
+    for row in values:
+        paths = best_first_paths(row, spec.budget)
         index = {path: i + 1 for i, path in enumerate(paths)}
         parents = [-1] + [index.get(path[:-1], 0) for path in paths]
-        depths = [0] + [len(path) for path in paths]
-        ranks = [0] + [path[-1] for path in paths]
-        parent_tensor = torch.tensor(parents, device=device)
-        depth_tensor, rank_tensor = torch.tensor(depths, device=device), torch.tensor(ranks, device=device)
-        tokens = torch.cat([roots[b : b + 1], ids[b, depth_tensor[1:] - 1, rank_tensor[1:]]])
-        children = [ranks[i] + 1 for i in range(1, len(paths) + 1)]
-        trees.append(
-            DraftTree(
-                tokens=tokens,
-                parents=parent_tensor,
-                ranks=rank_tensor,
-                depths=depth_tensor,
-                ancestors=ancestor_mask(parent_tensor.cpu()).to(device),
-                max_depth=max(depths),
-                max_children=max(children, default=0),
-            )
+        shapes.append((parents, [0] + [len(path) for path in paths], [0] + [path[-1] for path in paths]))
+    ancestors = torch.stack([ancestor_mask(torch.tensor(parents)) for parents, _, _ in shapes]).to(device)
+    parents, depths, ranks = torch.tensor(shapes, device=device).unbind(1)  # (B, N) each, one upload
+    rows = torch.arange(batch, device=device)[:, None]
+    tokens = torch.cat([roots[:, None], ids[rows, depths[:, 1:] - 1, ranks[:, 1:]]], dim=1)
+    max_depth = max(max(d) for _, d, _ in shapes)
+    max_children = max(max(r) for _, _, r in shapes) + 1 if tokens.shape[1] > 1 else 0
+    return [
+        DraftTree(
+            tokens=tokens[b],
+            parents=parents[b],
+            ranks=ranks[b],
+            depths=depths[b],
+            ancestors=ancestors[b],
+            max_depth=max_depth,
+            max_children=max_children,
         )
-    return trees
+        for b in range(batch)
+    ]
 
 
 def best_first_paths(logq: list[list[float]], budget: int) -> list[tuple[int, ...]]:

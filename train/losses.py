@@ -52,12 +52,12 @@ def lk_loss(logits: Tensor, target_probs: Tensor, mask: Tensor, kind: str, eta: 
     accepts often. KL is over the draft vocabulary's tokens, sum p log(p / q), which differs from the full
     divergence by terms the draft cannot change.
     """
-    alpha = acceptance(logits, target_probs)
+    if kind not in LK_LOSSES:
+        raise ValueError(f"kind must be 'lk_nla' or 'lk_hybrid', got {kind!r}")
+    logq = torch.log_softmax(logits.float(), dim=-1)  # one pass: q for alpha, log q for KL
+    alpha = torch.minimum(target_probs, logq.exp()).sum(-1)  # `acceptance`
     if kind == "lk_nla":
         return masked_mean(-torch.log(alpha.clamp_min(NLA_FLOOR)), mask)
-    if kind != "lk_hybrid":
-        raise ValueError(f"kind must be 'lk_nla' or 'lk_hybrid', got {kind!r}")
-    logq = torch.log_softmax(logits.float(), dim=-1)
     kl = (torch.xlogy(target_probs, target_probs) - target_probs * logq).sum(-1)
     weight = torch.exp(-eta * alpha.detach())
     return masked_mean(weight * kl + (1 - weight) * (1 - alpha), mask)
