@@ -20,6 +20,7 @@ import transformers
 from decode import (
     DEFAULT_EAGLE_TREE,
     DEFAULT_TREES,
+    BestFirstTree,
     Calibration,
     DynamicTree,
     best_tree,
@@ -27,6 +28,7 @@ from decode import (
     generate,
     is_int8_draft,
     prepare,
+    size_best_first,
     tree_label,
 )
 from decode.drafters.composite import Composite
@@ -34,6 +36,7 @@ from decode.drafters.model import DraftModel
 from decode.drafters.ngram import Ngram
 from decode.layout import is_onednn, is_pretransposed
 from decode.timing import synchronize
+from decode.tree import chain
 from heads import load_heads
 from targets import load_target, merge_lora
 from targets.layer_draft import layer_draft
@@ -275,7 +278,13 @@ def sizing_record(
 
 
 def build_methods(
-    model, model_name: str, paths: dict[str, str | None], eagle3_trees=(), medusa1_trees=(), draft_layers=()
+    model,
+    model_name: str,
+    paths: dict[str, str | None],
+    eagle3_trees=(),
+    medusa1_trees=(),
+    draft_layers=(),
+    dflash_budgets=(),
 ) -> tuple[list[Method], dict, dict]:
     """The methods to compare, in report order, the loaded heads by name, and the targets by name.
 
@@ -289,10 +298,12 @@ def build_methods(
         medusa1_trees: the same, of Medusa-1 dynamic trees (depth at most its heads).
         draft_layers: layer counts N of drafts made of the target's first N layers (`targets.layer_draft`),
             each a separate draft model (`decode.drafters.model.DraftModel`) with the default dynamic tree.
+        dflash_budgets: `BestFirstTree` budgets the DFlash head ("dflash") decodes with, beside the chain of
+            its whole block.
     """
     loaded = {
         name: load_heads(paths[name], target=model)
-        for name in ("medusa1", "eagle1", "eagle3")
+        for name in ("medusa1", "eagle1", "eagle3", "dflash")
         if paths.get(name)
     }
     targets = {"base": model}
@@ -323,6 +334,15 @@ def build_methods(
         )
     if "medusa1" in loaded:
         methods += dynamic_methods("Medusa-1", loaded["medusa1"], medusa1_trees)
+    if "dflash" in loaded:
+        head = loaded["dflash"]
+        block = chain(head.block_size - 1)  # what vLLM's dflash method drafts: the whole block, a chain
+        methods.append(
+            Method(f"DFlash chain {head.block_size - 1}", head, block, tree_label=tree_label(block))
+        )
+        for budget in dflash_budgets:
+            tree = BestFirstTree(budget)
+            methods.append(Method(f"DFlash best-first {budget}", head, tree, tree_label=tree_label(tree)))
     return methods, loaded, targets
 
 
@@ -441,6 +461,7 @@ def benchmark(
     medusa1_trees=(),
     medusa1_nodes=(),
     draft_layers=(),
+    dflash_budgets=(),
     pretranspose: bool | None = None,
     int8_draft: bool | None = None,
     onednn: bool | None = None,
@@ -457,7 +478,7 @@ def benchmark(
             decoding included (None: where they help on this device).
     """
     methods, loaded, targets = build_methods(
-        model, model_name, paths, eagle3_trees, medusa1_trees, draft_layers
+        model, model_name, paths, eagle3_trees, medusa1_trees, draft_layers, dflash_budgets
     )
     layout = {"pretranspose": pretranspose, "int8_draft": int8_draft, "onednn": onednn}
     results: dict = {
@@ -472,6 +493,7 @@ def benchmark(
         "int8_draft": [],  # filled in below: the heads decode.prepare made int8
         "rows": [],
         "sizing": {},
+        "best_first_sizing": [],  # the DFlash budget's, per budget, when sized
     }
     # 1. cost-model tree sizing on the calibration prompts (disjoint from the benchmark prompts); the heads
     # are prepared first, as the benchmark decodes with them
@@ -495,6 +517,26 @@ def benchmark(
             _, best = best_tree(sizing.acceptance, nodes, max_depth=loaded[name].config.num_heads)
             tree = "measured acceptance: " + tree_label(best)
             methods.append(Method(f"Medusa-1 {nodes} nodes", loaded[name], best, tree_label=tree))
+    if size_tree and "dflash" in loaded:  # a block drafter's best-first budget: tau measured per budget
+        rows = [prompt_ids(tokenizer, row) for row in calibration_rows]
+        print(f"sizing the dflash budget on {len(rows)} calibration prompts ...", file=sys.stderr, flush=True)
+        prepare(model, loaded["dflash"], None, **layout)
+        choices = size_best_first(
+            model, loaded["dflash"], rows, max_new_tokens=max_new_tokens, repeats=repeats
+        )
+        results["best_first_sizing"] = [
+            {
+                "budget": c.budget,
+                "tau": c.tau,
+                "verify_ms": 1e3 * c.verify_seconds,
+                "propose_ms": 1e3 * c.propose_seconds,
+                "predicted_speedup": c.predicted_speedup,
+            }
+            for c in choices
+        ]
+        tree = BestFirstTree(choices[0].budget)
+        label = f"cost model: {tree_label(tree)}"
+        methods.append(Method("DFlash sized", loaded["dflash"], tree, tree_label=label))
     # 2. per temperature, category and prompt: plain, then every method in a rotating order
     tallies = run_benchmark(
         tokenizer,

@@ -10,7 +10,7 @@ from decode.tree import DynamicTree
 from heads.shipping import pretrained_dir
 from targets import DEFAULT_TARGET
 
-SHIPPED = ("eagle3", "medusa1")  # the heads --pretrained looks for
+SHIPPED = ("eagle3", "medusa1", "dflash")  # the heads --pretrained looks for
 
 
 def parse_args(argv: list[str] | None, description: str = "") -> argparse.Namespace:
@@ -20,12 +20,12 @@ def parse_args(argv: list[str] | None, description: str = "") -> argparse.Namesp
     )
     add = parser.add_argument
     add("--model", default=DEFAULT_TARGET)
-    for name in ("eagle3", "eagle1", "medusa1"):
+    for name in ("eagle3", "eagle1", "medusa1", "dflash"):
         add(f"--{name}", help=f"{name} head folder")
     add("--medusa2", help="Medusa-2 run folder (holding head/ and lora/)")
     shipped = (
         "decode with the heads shipped for --model in pretrained/<target>/ (scripts/ship_head.py): its "
-        "eagle3 and medusa1 folders, where --eagle3 / --medusa1 do not name others"
+        "eagle3, medusa1 and dflash folders, where --eagle3 / --medusa1 / --dflash do not name others"
     )
     add("--pretrained", action="store_true", help=shipped)
     add(
@@ -44,13 +44,17 @@ def parse_args(argv: list[str] | None, description: str = "") -> argparse.Namesp
         metavar="DEPTH TOP_K TOTAL [MIN_PROB]",
         help="a Medusa-1 dynamic tree (repeatable; depth at most the heads'), beside its static tree16",
     )
+    budget = (
+        "a DDTree budget the DFlash head decodes with (decode.BestFirstTree; repeatable), beside its chain"
+    )
+    add("--dflash-budget", type=int, action="append", default=[], metavar="N", help=budget)
     add("--prompts", type=int, default=4, help="prompts per category")
     skip = "start each category after its first N prompts: rows a default run never reports, to tune trees on"
     add("--skip-prompts", type=int, default=0, metavar="N", help=skip)
     add("--calibration-prompts", type=int, default=4, help="chat prompts for --size-tree")
     add("--max-new-tokens", type=int, default=96)
     add("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
-    add("--size-tree", action="store_true", help="add cost-model-sized trees (EAGLE-3, Medusa-1)")
+    add("--size-tree", action="store_true", help="add cost-model-sized trees (EAGLE-3, Medusa-1, DFlash)")
     nodes = (
         "one more Medusa-1 static tree: the NODES likeliest nodes under the acceptance --size-tree measured "
         "(repeatable)"
@@ -99,6 +103,10 @@ def parse_args(argv: list[str] | None, description: str = "") -> argparse.Namesp
             setattr(args, name, getattr(args, name) or str(path))
     args.eagle3_tree = [tree_spec(parser, "--eagle3-tree", values) for values in args.eagle3_tree]
     args.medusa1_dynamic = [tree_spec(parser, "--medusa1-dynamic", values) for values in args.medusa1_dynamic]
+    if args.dflash and not args.dflash_budget:
+        args.dflash_budget = [16]
+    if min(args.dflash_budget, default=1) < 1:
+        parser.error(f"--dflash-budget must be at least 1, got {min(args.dflash_budget)}")
     if args.batch_sizes and not (args.eagle3 or args.medusa1):
         parser.error("--batch-sizes needs --eagle3 or --medusa1 (the head every row drafts with)")
     if args.medusa1_tree and not (args.size_tree and args.medusa1):

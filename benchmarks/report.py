@@ -97,6 +97,19 @@ def render(results: dict) -> str:
         parts.append(
             markdown(["tree", "E[tokens]/step", "C_T(n+1) ms", "draft ms", "predicted speedup"], table)
         )
+    if results.get("best_first_sizing"):
+        parts.append("\n### Cost-model budget of the DFlash best-first tree (tau measured per budget)\n")
+        rows = [
+            [
+                ("**chosen**: " if i == 0 else "") + str(c["budget"]),
+                f"{c['tau']:.2f}",
+                f"{c['verify_ms']:.1f}",
+                f"{c['propose_ms']:.1f}",
+                f"{c['predicted_speedup']:.2f}x",
+            ]
+            for i, c in enumerate(results["best_first_sizing"])
+        ]
+        parts.append(markdown(["budget", "tau", "C_T(n+1) ms", "draft ms", "predicted speedup"], rows))
     return "\n".join(parts) + "\n"
 
 

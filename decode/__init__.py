@@ -1,6 +1,6 @@
 """Tree-attention speculative decoding: trees, verification, acceptance, `prepare` and `generate`."""
 
-from decode.calibrate import Calibration, calibrate
+from decode.calibrate import BudgetChoice, Calibration, calibrate, size_best_first
 from decode.drafter import Drafter, DraftLimits, RowDrafters
 from decode.generate import GenerateOutput, RowOutput, generate
 from decode.policy import TreePolicy
@@ -21,6 +21,7 @@ __all__ = [
     "DEFAULT_EAGLE_TREE",
     "DEFAULT_TREES",
     "BestFirstTree",
+    "BudgetChoice",
     "Calibration",
     "DraftLimits",
     "Drafter",
@@ -36,6 +37,7 @@ __all__ = [
     "generate",
     "is_int8_draft",
     "prepare",
+    "size_best_first",
     "tree_label",
     "verify_rows",
 ]

@@ -117,10 +117,15 @@ def accept_sampling(
     happen go unused), so the rule and its output distribution are those of the sequential walk; only which
     draws of the random stream a given seed uses changes. Residuals are kept unnormalised (p_i = P / p_mass).
 
+    A tree whose children were chosen rather than drawn (no `q_table`: a `BestFirstTree`'s ranks) goes to
+    `accept_chosen`, the same rule with point masses.
+
     Returns:
         path: (max_depth + 1,) int64 accepted nodes by depth, root first, then -1 padding;
         bonus: () int64, the token the target emits after the last accepted node.
     """
+    if tree.q_table is None and tree.max_children:
+        return accept_chosen(tree, target_logits, temperature, top_p, top_k, generator)
     device, m = target_logits.device, tree.max_children
     table, tokens = tree.child_table(), tree.tokens.to(device)
     uniforms = torch.rand((tree.max_depth, m), generator=generator, device=device) if m else None
@@ -168,6 +173,44 @@ def accept_sampling(
         final = p if final is None else torch.where(walking & ~took, p, final)
         walking = walking & took
     return path, sample(final, generator)
+
+
+def accept_chosen(
+    tree: DraftTree,
+    target_logits: Tensor,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    generator: torch.Generator | None,
+) -> tuple[Tensor, Tensor]:
+    """Lossless sampling over children that were CHOSEN, not drawn (a `BestFirstTree`'s top-ranked tokens):
+    each child c_i's draft distribution is a point mass on it. Recursive rejection with point masses tests
+    c_1 with probability p(c_1), and on rejection zeroes c_1 in p and renormalises; then c_2 with
+    p(c_2) / (1 - p(c_1)), and so on; after the last child it draws from what is left. So child c_i is taken
+    with probability p(c_i) and any other token y is emitted with probability p(y): the same as drawing ONE
+    token x from p at the node and descending when x is a child (emitting x and stopping otherwise). That is
+    how it runs here: one draw per depth, on the device, nothing read back. Every emitted token is a draw
+    from the target's distribution given its prefix, whatever the tree. Returns as `accept_sampling`."""
+    device, m = target_logits.device, tree.max_children
+    table, tokens = tree.child_table(), tree.tokens.to(device)
+    path = torch.full((tree.max_depth + 1,), -1, dtype=torch.long, device=device)
+    path[:1].zero_()
+    node = torch.zeros((), dtype=torch.long, device=device)
+    walking = torch.ones((), dtype=torch.bool, device=device)
+    bonus = None
+    for depth in range(tree.max_depth + 1):
+        drawn = sample(target_probs(_row(target_logits, node), temperature, top_p, top_k), generator)
+        took = torch.zeros((), dtype=torch.bool, device=device)
+        if depth < tree.max_depth and m:
+            children = _row(table, node)  # (m,) by rank, -1: none; siblings are distinct tokens
+            hit = (children >= 0) & (tokens[children.clamp(min=0)] == drawn)
+            took = hit.any()
+            accepted = _row(children, hit.long().argmax())
+            path[depth + 1] = torch.where(walking & took, accepted, -1)
+            node = torch.where(took, accepted, node)
+        bonus = drawn if bonus is None else torch.where(walking & ~took, drawn, bonus)
+        walking = walking & took
+    return path, bonus
 
 
 def accept_typical(

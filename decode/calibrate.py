@@ -33,7 +33,7 @@ from decode.sizing import (
     size_tree,
 )
 from decode.timing import synchronize
-from decode.tree import DraftTree, DynamicTree, TreeBuffers, build_tree, tree_label
+from decode.tree import BestFirstTree, DraftTree, DynamicTree, TreeBuffers, build_tree, tree_label
 from decode.verify import verify
 from heads.features import FeatureCapture
 
@@ -403,3 +403,56 @@ def calibrate_batches(
         for b in batch_sizes
     }
     return BatchCalibration(acceptance, costs, drafting, grid)
+
+
+@dataclass(frozen=True)
+class BudgetChoice:
+    """One `BestFirstTree` budget priced on this machine: measured tau, measured costs, predicted speed."""
+
+    budget: int
+    tau: float  # tokens per step on the calibration prompts (greedy), bonus token included
+    verify_seconds: float  # C_T(budget + 1)
+    propose_seconds: float  # the block drafter's work per step with this tree
+    plain_seconds: float  # C_T(1): plain decoding's cost per token
+
+    @property
+    def predicted_speedup(self) -> float:
+        return self.tau * self.plain_seconds / (self.verify_seconds + self.propose_seconds)
+
+
+@torch.no_grad()
+def size_best_first(
+    model: nn.Module,
+    heads,
+    prompts: Sequence[torch.Tensor],
+    *,
+    budgets: Sequence[int] = (2, 4, 6, 8, 12, 16, 24, 32),
+    max_new_tokens: int = 64,
+    repeats: int = 3,
+) -> list[BudgetChoice]:
+    """The budget of a block drafter's DDTree (`BestFirstTree`) on this machine, best first.
+
+    A best-first tree follows the draft's confidence step by step, so its acceptance is measured, not
+    modelled: the calibration `prompts` are decoded greedily with every budget (tau per budget). The costs are
+    measured as `calibrate` measures them: C_T(n) the target's verify forward over n tokens, and the drafter's
+    step (its advance and one proposal of that tree). Predicted speedup = tau * C_T(1) / (C_T(budget + 1) +
+    C_P(budget)), what `scripts/bench.py --size-tree` decodes with at its best.
+    """
+    if not make_drafter(heads, model, 1).limits().block:
+        raise ValueError("size_best_first sizes block drafters' trees; this drafter drafts level by level")
+    taus = {}
+    for budget in budgets:
+        tokens = steps = 0
+        for ids in prompts:
+            out = generate(
+                model, ids.reshape(1, -1), heads, max_new_tokens=max_new_tokens, tree=BestFirstTree(budget)
+            )
+            tokens, steps = tokens + out.one.new_tokens, steps + out.one.steps
+        taus[budget] = tokens / max(steps, 1)
+    verify = measure_verify_cost(model, prompts[0], sorted({1, *(b + 1 for b in budgets)}), repeats)
+    propose = measure_propose_cost(model, heads, prompts[0], [BestFirstTree(b) for b in budgets], repeats)
+    choices = [
+        BudgetChoice(b, taus[b], verify[b + 1], cost, verify[1])
+        for b, cost in zip(budgets, propose, strict=True)
+    ]
+    return sorted(choices, key=lambda c: -c.predicted_speedup)

@@ -98,6 +98,17 @@ def tree_visibility(levels: list[Tensor], parent_rows: Tensor) -> Tensor:
     return (from_parent | parent) & (parent_rows >= 0)[:, :, None]
 
 
+def packed_columns(valid: Tensor, keep: int) -> Tensor | None:
+    """For a draft cache with column validity `valid` (B, L) whose fullest row has `keep` valid columns (known
+    on the host): the (B, keep) column order that packs each row's valid columns to the right in their order,
+    once the unused columns (padding, finished rows' leftovers) are more than half the cache; else None."""
+    columns = valid.shape[1]
+    if columns <= 2 * max(keep, 16):
+        return None
+    # a stable order per row: invalid columns first, then the valid ones in their order
+    return torch.sort(valid.to(torch.int8), dim=1, stable=True).indices[:, columns - keep :]
+
+
 class RowDrafters(Drafter):
     """B one-row drafters (each a `Drafter` for a batch of one) driven as one batch drafter: per-prompt
     drafters (custom draft sources, test oracles) in a batch. Each row's logits come from its own drafter, so

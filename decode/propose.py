@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from decode.drafter import Drafter
-from decode.tree import BestFirstTree, DraftTree, DynamicTree, TreeBuffers, ancestor_mask, build_tree
+from decode.tree import BestFirstTree, DraftTree, DynamicTree, TreeBuffers, build_tree
 
 
 @dataclass
@@ -259,15 +259,15 @@ def _grow_best_first(
     drafter: Drafter, roots: Tensor, root_logits: Tensor, spec: BestFirstTree, temperature: float
 ) -> list[DraftTree]:
     """DDTree: per row, the `spec.budget` likeliest rank paths of a block drafter's per-depth distributions
-    (`best_first_paths`), from one read of each depth's top-`budget` log-probabilities."""
+    (`best_first_paths`), from one read of each depth's top-`budget` log-probabilities. When sampling the
+    same tree is chosen from the draft at that temperature, and acceptance draws from the target
+    (`decode.accept.accept_chosen`)."""
     limits = drafter.limits()
     if not limits.block:
         raise ValueError(
             "a BestFirstTree needs a block drafter (one forward scores every depth, whatever the parent); "
             "this drafter drafts one level per call: use a DynamicTree"
         )
-    if temperature != 0:
-        raise ValueError("a BestFirstTree decodes greedily only for now (temperature=0)")
     caps = [d for d in (spec.depth, limits.max_depth) if d is not None]
     if not caps:
         raise ValueError("this drafter states no maximum depth: give the BestFirstTree a depth")
@@ -277,18 +277,23 @@ def _grow_best_first(
     no_parent, token = torch.full((batch, 1), -1, device=device), roots[:, None]
     for level in range(1, depth):  # a block drafter ignores the parent: one call per depth, any node
         levels.append(drafter.expand(no_parent, token, level)[:, 0])
-    logq = torch.log_softmax(torch.stack(levels, dim=1).float(), dim=-1)  # (B, D, Vd)
+    # ranked by the draft at the sampling temperature; the children are chosen (top ranks), not drawn, and
+    # `decode.accept.accept_chosen` samples over them losslessly (no q_table: point masses)
+    logq = torch.log_softmax(torch.stack(levels, dim=1).float() / (temperature or 1.0), dim=-1)  # (B, D, Vd)
     top = torch.topk(logq, min(spec.budget, logq.shape[-1]), dim=-1)
     ids = drafter.to_target_ids(top.indices)  # (B, D, k)
     values = top.values.tolist()  # the proposal's one read of the device
-    shapes = []  # per row, root first: parents, depths, ranks (every row has the same number of nodes)
+    shapes = []  # per row, root first: parents, depths, ranks, then the N rows of its ancestor mask
     for row in values:
         paths = best_first_paths(row, spec.budget)
         index = {path: i + 1 for i, path in enumerate(paths)}
         parents = [-1] + [index.get(path[:-1], 0) for path in paths]
-        shapes.append((parents, [0] + [len(path) for path in paths], [0] + [path[-1] for path in paths]))
-    ancestors = torch.stack([ancestor_mask(torch.tensor(parents)) for parents, _, _ in shapes]).to(device)
-    parents, depths, ranks = torch.tensor(shapes, device=device).unbind(1)  # (B, N) each, one upload
+        depths, ranks = [0] + [len(path) for path in paths], [0] + [path[-1] for path in paths]
+        shapes.append([parents, depths, ranks, *_host_ancestors(parents)])
+    arrays = torch.tensor(shapes, device=device)  # (B, 3 + N, N): the proposal's one upload
+    parents, depths, ranks = arrays[:, :3].unbind(1)  # (B, N) each
+    ancestors = arrays[:, 3:].bool()
+    shapes = [(row[0], row[1], row[2]) for row in shapes]
     rows = torch.arange(batch, device=device)[:, None]
     tokens = torch.cat([roots[:, None], ids[rows, depths[:, 1:] - 1, ranks[:, 1:]]], dim=1)
     max_depth = max(max(d) for _, d, _ in shapes)
@@ -305,6 +310,17 @@ def _grow_best_first(
         )
         for b in range(batch)
     ]
+
+
+def _host_ancestors(parents: list[int]) -> list[list[int]]:
+    """The ancestor mask of a tree (`decode.tree.ancestor_mask`) as host lists: row i is 1 at i and at its
+    ancestors (parents precede children)."""
+    rows: list[list[int]] = []
+    for node, parent in enumerate(parents):
+        row = list(rows[parent]) if parent >= 0 else [0] * len(parents)
+        row[node] = 1
+        rows.append(row)
+    return rows
 
 
 def best_first_paths(logq: list[list[float]], budget: int) -> list[tuple[int, ...]]:

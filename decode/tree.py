@@ -68,8 +68,10 @@ class BestFirstTree:
     is the sum of its path's per-depth log q; the tree is the `budget` highest-scoring rank paths up to
     `depth` levels (None: as deep as the drafter drafts). Built by a best-first search over rank paths (each
     node popped pushes its next sibling and its first child), on the host from one read of each depth's top
-    `budget` log-probabilities per proposal. Greedy decoding only for now: sampling would need the draws
-    without replacement the lossless rule reads, per node."""
+    `budget` log-probabilities per proposal. When sampling, the tree is chosen from the draft at the
+    sampling temperature and its children are point masses: acceptance draws one token from the target per
+    depth and descends while it is a child (`decode.accept.accept_chosen`), which is recursive rejection
+    with those point masses."""
 
     budget: int = 16
     depth: int | None = None

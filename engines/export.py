@@ -2,7 +2,8 @@
 published), and import published heads back.
 
 Formats (docs/design.md, Export formats): `sglang` (EAGLE-3, LlamaForCausalLMEagle3), `speculators` (vLLM
-speculators EAGLE-3), `eagle1` (EAGLE-1 official), `medusa` (FasterDecoding original) and `medusa-vllm`.
+speculators EAGLE-3), `eagle1` (EAGLE-1 official), `medusa` (FasterDecoding original), `medusa-vllm` and
+`dflash` (vLLM's DFlashDraftModel, qwen3_dflash).
 Engines drop unknown keys SILENTLY, so every export is validated (keys, shapes, vocab maps, taps) before it is
 published.
 
@@ -39,12 +40,13 @@ from engines.formats import (
     detect_format,
     validate_export,
 )
+from heads.dflash import DFlashConfig, DFlashHead
 from heads.eagle import EagleConfig, EagleHead
 from heads.features import from_input_convention, to_input_convention
 from heads.io import CONFIG_NAME, check_head_matches_target, load_heads
 from heads.medusa import MedusaConfig, MedusaHeads
 
-Head = MedusaHeads | EagleHead
+Head = MedusaHeads | EagleHead | DFlashHead
 
 
 # ---------------------------------------------------------------------------------------------- state dicts
@@ -65,6 +67,8 @@ def _to_format_state(
         return state
     if fmt == "eagle1":
         return _rename(state, "midlayer.", "layers.0.")
+    if fmt == "dflash":  # our names are vLLM's (heads/dflash.py)
+        return state
     out = {}
     config = head.config
     for h in range(config.num_heads):
@@ -82,7 +86,7 @@ def _to_format_state(
 
 def _from_format_state(state: dict[str, Tensor], fmt: str, num_heads: int = 0, num_layers: int = 0) -> dict:
     """A format's state dict renamed to our keys (target-owned tensors dropped)."""
-    if fmt == "sglang":
+    if fmt in ("sglang", "dflash"):
         return dict(state)
     if fmt in ("speculators", "eagle1"):
         state = {k: v for k, v in state.items() if k != "embed_tokens.weight"}
@@ -130,6 +134,43 @@ def _llama_dict(config: EagleConfig) -> dict:
     return llama
 
 
+def _dflash_config(head: DFlashHead, meta: dict, num_target_layers: int | None) -> dict:
+    """vLLM's DFlash draft config (a Qwen3 config with `dflash_config`): taps in the output-of-layer
+    convention, as vLLM's `dflash_config.target_layer_ids` are (it adds 1 itself); rope_theta spelled out
+    (vLLM's DFlash layers default it to 1e6); no eagle_aux_hidden_state_layer_ids (vLLM would read those
+    first, as input-to-layer ids)."""
+    c = head.config
+    out = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim,
+        "num_hidden_layers": c.num_hidden_layers,
+        "vocab_size": c.vocab_size,
+        "rms_norm_eps": c.rms_norm_eps,
+        "hidden_act": c.hidden_act,
+        "max_position_embeddings": c.max_position_embeddings,
+        "rope_theta": c.rope_parameters["rope_theta"],
+        "rope_parameters": dict(c.rope_parameters),
+        "attention_bias": c.attention_bias,
+        "tie_word_embeddings": False,
+        "block_size": c.block_size,
+        "dflash_config": {"mask_token_id": c.mask_token_id, "target_layer_ids": list(c.aux_layer_ids)},
+        "torch_dtype": "float32",
+        "selfspec": {**meta, "aux_layer_ids_convention": "output"},
+    }
+    if num_target_layers is not None:
+        out["num_target_layers"] = num_target_layers
+    if c.draft_vocab_size != c.vocab_size:
+        out["draft_vocab_size"] = c.draft_vocab_size
+    if c.target_hidden_size != c.hidden_size:
+        out["target_hidden_size"] = c.target_hidden_size
+    return out
+
+
 def _format_config(
     head: Head,
     fmt: str,
@@ -137,6 +178,7 @@ def _format_config(
     base_model: str | None,
     verifier_architectures: list[str],
     num_speculative_tokens: int,
+    num_target_layers: int | None = None,
 ) -> dict:
     c = head.config
     meta = {"head_type": head.head_type, "format": fmt, "exporter": "selfspec"}
@@ -162,6 +204,8 @@ def _format_config(
             "base_model_name_or_path": base_model,
             "selfspec": meta,
         }
+    if fmt == "dflash":
+        return _dflash_config(head, meta, num_target_layers)
     llama = _llama_dict(c)
     if fmt == "eagle1":
         return {**llama, "architectures": ["LlamaForCausalLM"], "bias": c.fc_bias, "selfspec": meta}
@@ -289,6 +333,7 @@ def export_head(
         base_model=base_model,
         verifier_architectures=architectures,
         num_speculative_tokens=num_speculative_tokens,
+        num_target_layers=_text(target_config).num_hidden_layers if target_config is not None else None,
     )
     state = _to_format_state(head, fmt, embed, lm_head)
 
@@ -311,7 +356,33 @@ def export_head(
     return [out_dir / name for name in FILES[fmt]]
 
 
+def _text(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 # --------------------------------------------------------------------------------------------------- import
+def _dflash_head_config(config: dict) -> DFlashConfig:
+    return DFlashConfig(
+        hidden_size=config["hidden_size"],
+        num_attention_heads=config["num_attention_heads"],
+        num_key_value_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
+        head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
+        intermediate_size=config["intermediate_size"],
+        vocab_size=config["vocab_size"],
+        aux_layer_ids=tuple(config["dflash_config"]["target_layer_ids"]),
+        mask_token_id=config["dflash_config"]["mask_token_id"],
+        num_hidden_layers=config["num_hidden_layers"],
+        block_size=config.get("block_size", 8),
+        target_hidden_size=config.get("target_hidden_size"),
+        draft_vocab_size=config.get("draft_vocab_size"),
+        rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+        hidden_act=config.get("hidden_act", "silu"),
+        max_position_embeddings=config.get("max_position_embeddings", 8192),
+        rope_parameters=_rope_parameters(config),
+        attention_bias=config.get("attention_bias", False),
+    )
+
+
 def _rope_parameters(layer: dict) -> dict:
     rope = dict(layer.get("rope_parameters") or layer.get("rope_scaling") or {})
     rope.setdefault("rope_type", rope.pop("type", "default"))
@@ -386,6 +457,8 @@ def import_head(path: str | Path, fmt: str | None = None, target=None) -> Head:
             )
         )
         ours = _from_format_state(state, fmt, k, n)
+    elif fmt == "dflash":
+        head, ours = DFlashHead(_dflash_head_config(config)), _from_format_state(state, fmt)
     else:
         head = EagleHead(_eagle_config(config, fmt))
         ours = _from_format_state(state, fmt)

@@ -15,7 +15,7 @@ from heads.eagle import check_draft_vocab
 from heads.io import CONFIG_NAME, WEIGHTS_NAME
 
 HEAD_TYPE = registry.formats()  # format -> the head type it holds (each kind lists its formats)
-FORMATS = tuple(HEAD_TYPE)  # sglang, speculators, eagle1, medusa, medusa-vllm
+FORMATS = tuple(HEAD_TYPE)  # sglang, speculators, eagle1, medusa, medusa-vllm, dflash
 MEDUSA_WEIGHTS_NAME = "medusa_lm_head.safetensors"
 FILES = {fmt: (CONFIG_NAME, MEDUSA_WEIGHTS_NAME if fmt == "medusa" else WEIGHTS_NAME) for fmt in FORMATS}
 # the tap id convention each EAGLE-3 format's config uses (sources: the module docstring of engines/export.py)
@@ -39,6 +39,13 @@ def check_format(fmt: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ validation
+def _layer_sizes(layer: dict) -> tuple[int, int, int, int, int, int]:
+    """(hidden, intermediate, vocab, heads, kv heads, head dim) of a draft layer's config dict."""
+    h, heads = layer["hidden_size"], layer["num_attention_heads"]
+    kv, head_dim = layer.get("num_key_value_heads") or heads, layer.get("head_dim") or h // heads
+    return h, layer["intermediate_size"], layer["vocab_size"], heads, kv, head_dim
+
+
 def _eagle_expected_shapes(
     config: dict, fmt: str, errors: list[str], state_keys
 ) -> dict[str, tuple[int, ...]]:
@@ -49,10 +56,7 @@ def _eagle_expected_shapes(
     if missing:
         errors.append(f"config lacks {missing}")
         return {}
-    h, inter, v = layer["hidden_size"], layer["intermediate_size"], layer["vocab_size"]
-    heads = layer["num_attention_heads"]
-    kv = layer.get("num_key_value_heads") or heads
-    head_dim = layer.get("head_dim") or h // heads
+    h, inter, v, heads, kv, head_dim = _layer_sizes(layer)
     if layer.get("num_hidden_layers") != 1:
         errors.append(f"num_hidden_layers must be 1, got {layer.get('num_hidden_layers')!r}")
     prefix = "layers.0." if fmt in ("speculators", "eagle1") else "midlayer."
@@ -122,6 +126,53 @@ def _eagle_expected_shapes(
     return expected
 
 
+def _dflash_expected_shapes(config: dict, errors: list[str]) -> dict[str, tuple[int, ...]]:
+    """Key -> shape a `dflash` export (vLLM's qwen3_dflash: DFlashDraftModel) must hold, from its config."""
+    need = ["hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers", "vocab_size"]
+    missing = [k for k in need if k not in config]
+    if "DFlashDraftModel" not in (config.get("architectures") or []):
+        errors.append(f"architectures must hold 'DFlashDraftModel', got {config.get('architectures')!r}")
+    dflash = config.get("dflash_config") or {}
+    ids, mask = dflash.get("target_layer_ids"), dflash.get("mask_token_id")
+    if not ids:
+        errors.append("dflash_config lacks target_layer_ids (vLLM would tap the wrong layers)")
+    if not isinstance(mask, int) or isinstance(mask, bool):
+        errors.append(f"dflash_config.mask_token_id must be a token id, got {mask!r}")
+    if (
+        "eagle_aux_hidden_state_layer_ids" in config
+    ):  # vLLM reads it before dflash_config, in another convention
+        errors.append(
+            "eagle_aux_hidden_state_layer_ids must not be set: vLLM would read it instead of the taps"
+        )
+    if "rope_theta" not in config and "rope_parameters" not in config:
+        errors.append("config lacks rope_theta (vLLM's DFlash layers then assume 1e6)")
+    if missing:
+        errors.append(f"config lacks {missing}")
+        return {}
+    h, inter, v, heads, kv, d = _layer_sizes(config)
+    ht = config.get("target_hidden_size") or h
+    expected = {"fc.weight": (h, len(ids or ()) * ht), "hidden_norm.weight": (h,), "norm.weight": (h,)}
+    for i in range(config["num_hidden_layers"]):
+        for key, shape in {
+            "input_layernorm.weight": (h,),
+            "self_attn.q_proj.weight": (heads * d, h),
+            "self_attn.k_proj.weight": (kv * d, h),
+            "self_attn.v_proj.weight": (kv * d, h),
+            "self_attn.o_proj.weight": (h, heads * d),
+            "self_attn.q_norm.weight": (d,),
+            "self_attn.k_norm.weight": (d,),
+            "post_attention_layernorm.weight": (h,),
+            "mlp.gate_proj.weight": (inter, h),
+            "mlp.up_proj.weight": (inter, h),
+            "mlp.down_proj.weight": (h, inter),
+        }.items():
+            expected[f"layers.{i}.{key}"] = shape
+    vd = config.get("draft_vocab_size") or v
+    if vd != v:  # its own lm_head over a reduced vocabulary; else vLLM shares the target's
+        expected.update({"lm_head.weight": (vd, h), "d2t": (vd,), "t2d": (v,)})
+    return expected
+
+
 def _medusa_expected_shapes(config: dict, fmt: str, errors: list[str]) -> dict[str, tuple[int, ...]]:
     names = (
         ("medusa_num_heads", "medusa_num_layers") if fmt == "medusa" else ("num_heads", "num_hidden_layers")
@@ -179,6 +230,8 @@ def validate_export(out_dir: str | Path, fmt: str, other_files: bool = False) ->
         raise ValueError(f"{out_dir} is not a valid {fmt} export: unreadable {weights_file} ({err})") from err
     if HEAD_TYPE[fmt] == "medusa":
         expected = _medusa_expected_shapes(config, fmt, errors)
+    elif fmt == "dflash":
+        expected = _dflash_expected_shapes(config, errors)
     else:
         expected = _eagle_expected_shapes(config, fmt, errors, set(state))
     missing = sorted(set(expected) - set(state))
@@ -213,6 +266,8 @@ def detect_format(path: str | Path) -> str:
         return "medusa"
     if config.get("model_type") == "medusa":
         return "medusa-vllm"
+    if "DFlashDraftModel" in (config.get("architectures") or []):
+        return "dflash"
     if config.get("speculators_model_type") == "eagle3":
         return "speculators"
     if "LlamaForCausalLMEagle3" in (config.get("architectures") or []) or "eagle_config" in config:

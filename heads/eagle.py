@@ -68,19 +68,7 @@ class EagleConfig:
     def from_target(cls, target_config, head_type: str, **overrides) -> EagleConfig:
         """A head config sized from a target's HF config (any Llama-like decoder)."""
         text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
-        heads = text.num_attention_heads
-        fields = {
-            "head_type": head_type,
-            "hidden_size": text.hidden_size,
-            "num_attention_heads": heads,
-            "num_key_value_heads": getattr(text, "num_key_value_heads", None) or heads,
-            "head_dim": getattr(text, "head_dim", None) or text.hidden_size // heads,
-            "intermediate_size": text.intermediate_size,
-            "vocab_size": text.vocab_size,
-            "rms_norm_eps": getattr(text, "rms_norm_eps", 1e-6),
-            "max_position_embeddings": getattr(text, "max_position_embeddings", 8192),
-            "rope_parameters": _full_attention_rope(text),
-        }
+        fields = {"head_type": head_type, **target_layer_sizes(text)}
         if head_type == "eagle3":
             fields["aux_layer_ids"] = default_eagle3_layers(text.num_hidden_layers)
         fields.update(overrides)
@@ -110,6 +98,23 @@ class EagleConfig:
         )
         config._attn_implementation = "sdpa"  # the mask is always explicit (heads build it), so sdpa is exact
         return config
+
+
+def target_layer_sizes(text) -> dict:
+    """The sizes a draft layer at the target's width takes from the target's text config: widths, heads,
+    vocabulary, norm epsilon, positions and its full-attention rope parameters."""
+    heads = text.num_attention_heads
+    return {
+        "hidden_size": text.hidden_size,
+        "num_attention_heads": heads,
+        "num_key_value_heads": getattr(text, "num_key_value_heads", None) or heads,
+        "head_dim": getattr(text, "head_dim", None) or text.hidden_size // heads,
+        "intermediate_size": text.intermediate_size,
+        "vocab_size": text.vocab_size,
+        "rms_norm_eps": getattr(text, "rms_norm_eps", 1e-6),
+        "max_position_embeddings": getattr(text, "max_position_embeddings", 8192),
+        "rope_parameters": _full_attention_rope(text),
+    }
 
 
 def _full_attention_rope(text_config) -> dict:
@@ -238,6 +243,29 @@ def check_draft_vocab(
         fail("d2t and t2d disagree: nonzero(t2d) != d2t + arange(Vd)")
 
 
+def draft_vocab_buffers(head: nn.Module, draft_vocab_size: int, vocab_size: int) -> None:
+    """Register a reduced draft vocabulary's maps on `head`: `d2t` (target_id = draft_id + d2t[draft_id]) and
+    `t2d` (which target ids are in it); the first Vd ids until `write_draft_vocab` sets them."""
+    head.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[:draft_vocab_size] = True
+    head.register_buffer("t2d", t2d)
+
+
+@torch.no_grad()
+def write_draft_vocab(head: nn.Module, target_ids: Tensor) -> None:
+    """Set `head`'s d2t / t2d to the Vd distinct target ids `target_ids` (validated in the order given, so an
+    error names positions in it)."""
+    target_ids = torch.as_tensor(target_ids, dtype=torch.long).flatten()
+    vd = head.config.draft_vocab_size
+    given = target_ids - torch.arange(target_ids.numel(), device=target_ids.device)
+    check_draft_vocab(given, head.config.vocab_size, vd, "set_draft_vocab(target_ids)")
+    target_ids = target_ids.sort().values
+    head.d2t.copy_(target_ids - torch.arange(vd, device=target_ids.device))
+    head.t2d.zero_()
+    head.t2d[target_ids] = True
+
+
 class EagleHead(nn.Module):
     """EAGLE-1 or EAGLE-3 draft head; sees only tensors (features, embeddings, the target's lm_head)."""
 
@@ -262,12 +290,7 @@ class EagleHead(nn.Module):
             self.midlayer = DraftDecoderLayer(llama, 2 * h, eagle3=True)
             self.norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
             self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
-            vd, v = config.draft_vocab_size, config.vocab_size
-            # target_id = draft_id + d2t[draft_id]
-            self.register_buffer("d2t", torch.zeros(vd, dtype=torch.long))
-            t2d = torch.zeros(v, dtype=torch.bool)
-            t2d[:vd] = True
-            self.register_buffer("t2d", t2d)
+            draft_vocab_buffers(self, config.draft_vocab_size, config.vocab_size)
         self.rotary_emb = LlamaRotaryEmbedding(llama)
 
     def checkpoint_notes(self) -> dict:
@@ -350,15 +373,7 @@ class EagleHead(nn.Module):
         vocab."""
         if self.head_type != "eagle3":
             raise ValueError("only eagle3 heads have a reduced draft vocabulary")
-        target_ids = torch.as_tensor(target_ids, dtype=torch.long).flatten()
-        vd = self.config.draft_vocab_size
-        # validated in the order given, so an error names positions in `target_ids`
-        given = target_ids - torch.arange(target_ids.numel(), device=target_ids.device)
-        check_draft_vocab(given, self.config.vocab_size, vd, "set_draft_vocab(target_ids)")
-        target_ids = target_ids.sort().values
-        self.d2t.copy_(target_ids - torch.arange(vd, device=target_ids.device))
-        self.t2d.zero_()
-        self.t2d[target_ids] = True
+        write_draft_vocab(self, target_ids)
 
     @torch.no_grad()
     def init_lm_head_from_target(self, target_lm_weight: Tensor) -> None:

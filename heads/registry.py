@@ -143,6 +143,19 @@ register(
     )
 )
 register(
+    Kind(
+        name="dflash",
+        source="heads.dflash:DFlashHead",
+        drafter="decode.drafters.dflash:DFlashDrafter",
+        head_types=("dflash",),
+        config="heads.dflash:DFlashConfig",
+        loss="train.losses:dflash_loss",
+        recipe="train/eagle.py",
+        formats=("dflash",),
+        vllm=("dflash", "dflash"),
+    )
+)
+register(
     Kind(name="ngram", source="decode.drafters.ngram:Ngram", drafter="decode.drafters.ngram:NgramDrafter")
 )
 register(

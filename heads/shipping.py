@@ -25,7 +25,13 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 CARD = "CARD.md"
 TRAIN_CONFIG = "train_config.yaml"
 # a head type -> the bench.json method names that decode with it (benchmarks.benchmark.build_methods)
-METHODS = {"eagle3": ("EAGLE-3",), "medusa1": ("Medusa-1",), "eagle1": ("EAGLE-1",), "medusa2": ("Medusa-2",)}
+METHODS = {
+    "eagle3": ("EAGLE-3",),
+    "medusa1": ("Medusa-1",),
+    "eagle1": ("EAGLE-1",),
+    "medusa2": ("Medusa-2",),
+    "dflash": ("DFlash",),
+}
 STANDARD_KEYS = {"head_type", "format_version", "base_model", "base_revision", "hidden_size", "vocab_size"}
 
 

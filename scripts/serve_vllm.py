@@ -43,7 +43,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--num-speculative-tokens", type=int, default=3)
+    drafts = "drafts per step (default: 3; a DFlash head: its block less the root, which it was trained for)"
+    parser.add_argument("--num-speculative-tokens", type=int, default=None, help=drafts)
     parser.add_argument("--dtype", default="float32", help="vLLM --dtype (float32: tokens equal ours on CPU)")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--vllm-python", type=Path, default=None, help="a python with vllm installed")
@@ -55,6 +56,8 @@ def main(argv: list[str] | None = None) -> None:
 
     config = read_head_config(args.head_dir)
     fmt, method = vllm_export(config["head_type"])
+    block = config["head_config"].get("block_size") if config["head_type"] == "dflash" else None
+    args.num_speculative_tokens = args.num_speculative_tokens or (block - 1 if block else 3)
     name = args.target or config.get("base_model") or DEFAULT_TARGET
     target = resolve_target(name)
     export = args.export_dir or export_folder(

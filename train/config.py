@@ -16,7 +16,6 @@ from typing import Any, TypeVar
 import torch
 import yaml
 
-from heads.eagle import HEAD_TYPES
 from heads.typed import ConfigError, build_dataclass
 from targets import DEFAULT_TARGET
 
@@ -27,6 +26,7 @@ DTYPES = tuple(TORCH_DTYPES)
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
 HIDDEN_STATES = ("online", "offline")
 LR_SCHEDULERS = ("cosine", "linear", "constant")
+RECIPE_HEAD_TYPES = ("eagle3", "eagle1", "dflash")  # what train/eagle.py trains (eagle.head_type)
 DISTILL_LOSSES = ("soft_ce", "forward_kl", "lk_nla", "lk_hybrid")  # eagle.distill_loss (train.losses)
 REPORT_TO = ("none", "wandb", "tensorboard")
 HALF_PRECISIONS = {"bf16": "bfloat16", "fp16": "float16"}  # train.mixed_precision -> its model.dtype
@@ -155,9 +155,18 @@ class TrainConfig:
 
 @dataclass(kw_only=True)
 class EagleTrainConfig:
-    head_type: str = "eagle3"  # eagle3: 3 fused taps, TTT, reduced-vocab lm_head; eagle1: final state
-    aux_layer_ids: list[int] | None = None  # eagle3 taps, output-of-layer ids; None = (1, N/2-1, N-4)
-    draft_vocab_size: int = 0  # eagle3 draft vocabulary (most frequent training tokens); 0 = full vocab
+    head_type: str = "eagle3"  # eagle3: 3 fused taps, TTT, reduced-vocab lm_head; eagle1: final state;
+    # dflash: a block drafter of `draft_layers` layers drafting block_size - 1 tokens per forward
+    aux_layer_ids: list[int] | None = None  # eagle3 / dflash taps, output-of-layer ids; None = the default
+    # (eagle3: 1, N/2-1, N-4; dflash: draft_layers taps spread over 1 .. N-3)
+    draft_vocab_size: int = 0  # eagle3 / dflash draft vocabulary (most frequent training tokens); 0 = full
+    block_size: int = 8  # dflash: the block (root + block_size - 1 drafts), the paper's 8 or 16
+    draft_layers: int = 3  # dflash: decoder layers of the drafter (the paper: 5)
+    mask_token_id: int | None = None  # dflash: the token filling a block's draft slots; None = the highest
+    # token id that never occurs in the training data
+    anchors: int = 64  # dflash: blocks per training row at most (the paper: 512 on 3k-token rows)
+    block_gamma: float = 0.0  # dflash: slot k weighs exp(-(k-1)/gamma); 0 = the paper's (4 for B=8, 7 for 16)
+    layers_from_target: bool = False  # dflash: start the draft layers as copies of the target's last ones
     ttt_steps: int = 3  # eagle3 training-time-test unroll depth (speculators: 3, SpecForge: 7)
     ttt_decay: float = 0.8  # TTT step i is weighted ttt_decay**i (EAGLE-3)
     distill_loss: str = "soft_ce"  # eagle3 with a reduced vocabulary: soft_ce = cross-entropy against the
@@ -177,8 +186,13 @@ class EagleTrainConfig:
     # taps and draft vocabulary win over aux_layer_ids / draft_vocab_size
 
     def __post_init__(self) -> None:
-        _one_of("head_type", self.head_type, HEAD_TYPES)
+        _one_of("head_type", self.head_type, RECIPE_HEAD_TYPES)
         _at_least(self, 0, "draft_vocab_size", "noise_width", "feature_loss_weight", "ce_loss_weight")
+        _at_least(self, 0, "block_gamma")
+        _at_least(self, 1, "draft_layers", "anchors")
+        _require(
+            self.block_size >= 2, f"block_size must be at least 2 (a root and a draft), got {self.block_size}"
+        )
         _at_least(self, 1, "ttt_steps")
         _require(0 < self.ttt_decay <= 1, f"ttt_decay must be in (0, 1], got {self.ttt_decay}")
         _one_of("distill_loss", self.distill_loss, DISTILL_LOSSES)
@@ -188,8 +202,9 @@ class EagleTrainConfig:
             "norm_before_fc and norm_output are EAGLE-3.1 options: eagle.head_type must be eagle3",
         )
         _require(
-            self.distill_loss == "soft_ce" or self.head_type == "eagle3",
-            f"distill_loss {self.distill_loss!r} is for eagle3 (eagle1 drafts over the full vocabulary)",
+            self.distill_loss == "soft_ce" or self.head_type != "eagle1",
+            f"distill_loss {self.distill_loss!r} is for eagle3 and dflash (eagle1 drafts over the full "
+            "vocabulary)",
         )
         if self.head_type == "eagle1":  # eagle1 reads the final state and reuses the target's lm_head
             _require(self.aux_layer_ids is None, "aux_layer_ids must be null for eagle1 (eagle3 only)")

@@ -20,6 +20,7 @@ from accelerate.utils import set_seed
 from torch import Tensor, nn
 
 from heads import EagleConfig, EagleHead, FeatureCapture
+from heads.dflash import DFlashConfig, DFlashHead
 from heads.io import load_heads
 from train.checkpoint import EXPORT_DIR, export_head, gather_head
 from train.config import EagleRunConfig, EagleTrainConfig, load_config, to_dict
@@ -28,7 +29,7 @@ from train.distributed import check_deepspeed_precision, make_accelerator, shard
 from train.evaluate import simulated_tau
 from train.loader import load_datasets, load_frozen_target
 from train.loop import prepare_run, train_loop
-from train.losses import eagle1_loss, eagle3_ttt_loss, needs_outside_mass
+from train.losses import dflash_loss, eagle1_loss, eagle3_ttt_loss, needs_outside_mass
 from train.offline import offline_rows
 
 
@@ -46,6 +47,20 @@ class EagleStep(nn.Module):
     ) -> tuple[Tensor, dict[str, Tensor]]:
         embed, lm_head = self._frozen
         features = _as_head_input(features, self.head)
+        if self.head.head_type == "dflash":
+            return dflash_loss(
+                self.head,
+                features,
+                input_ids,
+                target_logits,
+                loss_mask,
+                embed,
+                lm_head,
+                anchors=self.cfg.anchors,
+                gamma=self.cfg.block_gamma or None,
+                distill=self.cfg.distill_loss,
+                lk_eta=self.cfg.lk_eta,
+            )
         if self.head.head_type == "eagle1":
             return eagle1_loss(
                 self.head,
@@ -82,7 +97,27 @@ def _as_head_input(features: Tensor, head: nn.Module) -> Tensor:
     return features.to(dtype)
 
 
-def new_head(cfg: EagleTrainConfig, target: nn.Module, train_set) -> EagleHead:
+def new_dflash_head(cfg: EagleTrainConfig, target: nn.Module, train_set) -> DFlashHead:
+    """A fresh DFlash head sized from the target (`eagle.head_type: dflash`), its draft vocabulary and mask
+    token from the training data."""
+    vocab = target.config.get_text_config().vocab_size
+    counts = token_frequencies(train_set, vocab)
+    mask_id = cfg.mask_token_id
+    if mask_id is None:  # a token the data never shows: its embedding means nothing else to the draft
+        unused = (counts == 0).nonzero().flatten()
+        mask_id = int(unused[-1]) if unused.numel() else vocab - 1
+    overrides = {"num_hidden_layers": cfg.draft_layers, "block_size": cfg.block_size}
+    overrides |= {"aux_layer_ids": tuple(cfg.aux_layer_ids) if cfg.aux_layer_ids is not None else None}
+    overrides |= {"draft_vocab_size": cfg.draft_vocab_size or None}
+    head = DFlashHead(DFlashConfig.from_target(target.config, mask_id, **overrides))
+    if head.config.draft_vocab_size < vocab:
+        head.set_draft_vocab(draft_vocab_from_frequencies(counts, head.config.draft_vocab_size))
+        head.init_lm_head_from_target(target.get_output_embeddings().weight)
+    head.init_from_target(target, layers=cfg.layers_from_target)
+    return head.to(dtype=torch.float32, device=target.device)
+
+
+def new_head(cfg: EagleTrainConfig, target: nn.Module, train_set) -> EagleHead | DFlashHead:
     """A fresh float32 head sized from the target, on its device; EAGLE-3 gets its draft vocabulary from the
     training data. With `cfg.init_from`, the exported head in that folder instead (checked against the
     target). Float32 whatever the target's dtype: AdamW on bf16 weights would lose small late updates."""
@@ -101,6 +136,8 @@ def new_head(cfg: EagleTrainConfig, target: nn.Module, train_set) -> EagleHead:
                     "start a new head, or drop the option"
                 )
         return head.train().requires_grad_(True)
+    if cfg.head_type == "dflash":
+        return new_dflash_head(cfg, target, train_set)
     overrides = {"fc_bias": cfg.fc_bias}
     if cfg.head_type == "eagle3":
         if cfg.aux_layer_ids is not None:
@@ -171,7 +208,7 @@ def target_pass(
 def draft_vocab_logits(head: EagleHead, target: nn.Module, other: bool = False) -> DraftVocabLogits | None:
     """The target-logit module of an EAGLE-3 head with a reduced vocabulary (with the outside column for a
     forward-KL loss: `other`), else None (the target's own lm_head serves)."""
-    if head.head_type != "eagle3" or head.config.draft_vocab_size == head.config.vocab_size:
+    if getattr(head, "t2d", None) is None or head.config.draft_vocab_size == head.config.vocab_size:
         return None
     softcap = getattr(target.config.get_text_config(), "final_logit_softcapping", None)
     return DraftVocabLogits(target.get_output_embeddings().weight, head.t2d, other=other, softcap=softcap)

@@ -9,10 +9,13 @@ label is the target's distribution at t + 1 and it counts where token t + 2 is a
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from heads.dflash import DFlashHead
 from heads.eagle import DraftCache, EagleHead, additive_mask
 from heads.medusa import MedusaHeads
 
@@ -206,6 +209,138 @@ def eagle3_ttt_loss(
         features = torch.cat([torch.zeros_like(hidden[:, :1]), hidden[:, :-1]], dim=1)  # step j+1 input at t
     if draft_mass is not None:
         metrics["draft_mass"] = masked_mean(draft_mass, token_mask)
+    return total, metrics
+
+
+DFLASH_GAMMA = {8: 4.0, 10: 5.0, 16: 7.0}  # the paper's slot-weight decay per block size
+
+
+def dflash_gamma(block_size: int) -> float:
+    """DFlash's slot-weight decay for a block size (the paper's: 4 for 8, 5 for 10, 7 for 16; between them,
+    the nearest smaller one's)."""
+    return DFLASH_GAMMA[max((b for b in DFLASH_GAMMA if b <= block_size), default=8)]
+
+
+def dflash_anchors(
+    loss_mask: Tensor, count: int, generator: torch.Generator | None = None
+) -> tuple[Tensor, Tensor]:
+    """Up to `count` block anchors per row, drawn uniformly without replacement among the positions a >= 1
+    whose token and the next are both tokens to learn (the root of a block is always a token the target
+    produced, and its first draft must be one too), in increasing order.
+
+    Returns:
+        (anchors, valid), both (B, N) with N = min(count, T): positions, and which are real (a row with
+        fewer candidates pads with position 0, not valid).
+    """
+    b, t = loss_mask.shape
+    ok = torch.zeros(b, t, dtype=torch.bool, device=loss_mask.device)
+    ok[:, 1 : t - 1] = loss_mask[:, 1 : t - 1].bool() & loss_mask[:, 2:].bool()
+    scores = torch.rand(
+        b, t, generator=generator, device=loss_mask.device if generator is None else generator.device
+    )
+    scores = scores.to(loss_mask.device).masked_fill(~ok, -1.0)
+    values, index = scores.topk(min(count, t), dim=1)
+    anchors = index.masked_fill(values < 0, t).sort(dim=1).values
+    valid = anchors < t
+    return anchors.masked_fill(~valid, 0), valid
+
+
+def dflash_block_logits(
+    head: DFlashHead,
+    target_features: Tensor,
+    input_ids: Tensor,
+    anchors: Tensor,
+    embed: nn.Module,
+    lm_head: nn.Module | None = None,
+) -> Tensor:
+    """The draft logits of every anchor's block in one head forward, as decoding computes them one block at
+    a time (`decode.drafters.dflash`): block n is [input_ids[a_n], MASK, ...] at positions a_n .. a_n + B - 1,
+    seeing the context keys of positions < a_n and its own block only.
+
+    Args:
+        head: the DFlash head.
+        target_features: (B, T, taps * Ht) the target's concatenated taps.
+        input_ids: (B, T) tokens.
+        anchors: (B, N) block positions (`dflash_anchors`).
+        embed: the target's frozen embedding; lm_head: the target's, for a head that shares it.
+    Returns:
+        (B, N, B_block - 1, Vd): slot k's logits score the token at a_n + k.
+    """
+    b, t = input_ids.shape
+    k, n = head.block_size, anchors.shape[1]
+    device = input_ids.device
+    context = head.context(target_features, torch.arange(t, device=device).expand(b, -1))
+    ids = torch.full((b, n, k), head.config.mask_token_id, dtype=torch.long, device=device)
+    ids[:, :, 0] = input_ids.gather(1, anchors)
+    positions = (anchors[:, :, None] + torch.arange(k, device=device)).flatten(1)  # (B, N * k)
+    starts = anchors.repeat_interleave(k, dim=1)  # each query's anchor
+    sees_context = torch.arange(t, device=device)[None, None, :] < starts[:, :, None]  # (B, N * k, T)
+    block = torch.arange(n, device=device).repeat_interleave(k)
+    sees_block = (block[:, None] == block[None, :]).expand(b, -1, -1)
+    dtype = context[0][0].dtype
+    mask = additive_mask(torch.cat([sees_context, sees_block], dim=-1), dtype)[:, None]
+    hidden = head(embed(ids.flatten(1)).to(dtype), positions, context, mask)
+    return head.logits(hidden.view(b, n, k, -1)[:, :, 1:], lm_head)
+
+
+def dflash_loss(
+    head: DFlashHead,
+    target_features: Tensor,
+    input_ids: Tensor,
+    target_logits: Tensor,
+    loss_mask: Tensor,
+    embed: nn.Module,
+    lm_head: nn.Module | None = None,
+    *,
+    anchors: int = 64,
+    gamma: float | None = None,
+    distill: str = "soft_ce",
+    lk_eta: float = 3.0,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """DFlash's training loss (arXiv 2602.06036, section 3.3): blocks at random anchors (`dflash_anchors`),
+    all in one forward (`dflash_block_logits`); slot k (1 .. B - 1) is trained against the target's
+    distribution of the token at a + k given the true prefix, weighted exp(-(k - 1) / gamma), where that
+    token is one to learn. The target's distribution instead of the data token: the committed chats are the
+    target's own replies, so this is the paper's self-distillation without its sampling noise; `distill`
+    picks the divergence as for EAGLE-3 (`draft_target_probs`: soft_ce, forward_kl, lk_nla, lk_hybrid).
+
+    Args:
+        head, target_features, input_ids, loss_mask, embed, lm_head: as `dflash_block_logits`; target_logits
+            (B, T, V | Vd | Vd + 1) as `eagle3_ttt_loss` takes them (position t scores token t + 1).
+        anchors: blocks per row at most.
+        gamma: slot-weight decay; None = `dflash_gamma(block_size)`.
+        distill, lk_eta: the divergence and lk_hybrid's eta.
+        generator: random source of the anchors.
+    Returns:
+        (loss, metrics) with `loss_slot{k}` and `top1_slot{k}` per slot, and `alpha_slot{k}` (the mean
+        acceptance probability of slot k's draft given the true prefix) when the target's mass inside the
+        draft vocabulary is known.
+    """
+    t = input_ids.shape[1]
+    k = head.block_size
+    gamma = gamma or dflash_gamma(k)
+    starts, valid = dflash_anchors(loss_mask, anchors, generator)
+    logits = dflash_block_logits(head, target_features, input_ids, starts, embed, lm_head)  # (B, N, k-1, Vd)
+    labels = starts[:, :, None] + torch.arange(1, k, device=input_ids.device)  # the positions scored
+    inside = labels < t
+    labels = labels.clamp(max=t - 1)
+    learn = loss_mask.gather(1, labels.flatten(1)).view_as(labels).bool()
+    slot_mask = valid[:, :, None] & inside & learn
+    width = target_logits.shape[-1]
+    scores = target_logits.gather(1, (labels - 1).flatten(1)[:, :, None].expand(-1, -1, width))
+    target_probs, draft_mass = draft_target_probs(head, scores.view(*labels.shape, width), distill)
+    total = logits.new_zeros((), dtype=torch.float32)
+    metrics: dict[str, Tensor] = {}
+    for j in range(k - 1):
+        q, p, m = logits[:, :, j], target_probs[:, :, j], slot_mask[:, :, j]
+        slot_loss = lk_loss(q, p, m, distill, lk_eta) if distill in LK_LOSSES else soft_cross_entropy(q, p, m)
+        total = total + math.exp(-j / gamma) * slot_loss
+        metrics[f"loss_slot{j + 1}"] = slot_loss.detach()
+        metrics[f"top1_slot{j + 1}"] = _top1(q.detach(), p, m)
+        if draft_mass is not None:
+            own = p if distill != "soft_ce" else p * draft_mass[:, :, j].unsqueeze(-1)
+            metrics[f"alpha_slot{j + 1}"] = masked_mean(acceptance(q.detach(), own), m)
     return total, metrics
 
 

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import pad_sequence
 
-from decode.drafter import Drafter, DraftLimits, tree_visibility
+from decode.drafter import Drafter, DraftLimits, packed_columns, tree_visibility
 from decode.drafters.lm_head import draft_lm_head, float_dtype
 from decode.fused import fused_step
 from heads.eagle import DraftCache, EagleHead, additive_mask
@@ -93,12 +93,9 @@ class EagleDrafter(Drafter):
     def _compact(self) -> None:
         """Drop the columns no row uses once they are more than half the cache (padding and finished rows'
         leftovers): each row's valid entries keep their order, packed to the right."""
-        columns = self.valid.shape[1]
-        keep = max(self.host_counts, default=0)  # valid columns of the fullest row (kept on the host)
-        if columns <= 2 * max(keep, 16):
+        order = packed_columns(self.valid, max(self.host_counts, default=0))
+        if order is None:
             return
-        # a stable order per row: invalid columns first, then the valid ones in their order
-        order = torch.sort(self.valid.to(torch.int8), dim=1, stable=True).indices[:, columns - keep :]
         index = order[:, None, :, None].expand(-1, self.cache.keys.shape[1], -1, self.cache.keys.shape[-1])
         self.cache.keys = self.cache.keys.gather(2, index)
         self.cache.values = self.cache.values.gather(2, index)

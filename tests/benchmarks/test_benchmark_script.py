@@ -11,6 +11,7 @@ import torch
 
 from decode.layout import can_onednn
 from heads import EagleConfig, EagleHead, MedusaConfig, MedusaHeads, save_heads
+from heads.dflash import DFlashConfig, DFlashHead
 from targets import load_target
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench.py"
@@ -38,6 +39,9 @@ def head_dirs(tiny_target_dir, tmp_path_factory):
         if kind == "eagle3":
             head.set_draft_vocab(torch.arange(512))
         save_heads(head, root / kind, base_model=str(tiny_target_dir))
+    dflash = DFlashHead(DFlashConfig.from_target(model.config, 7, num_hidden_layers=1, draft_vocab_size=512))
+    dflash.set_draft_vocab(torch.arange(512))
+    save_heads(dflash.eval(), root / "dflash", base_model=str(tiny_target_dir))
     return root
 
 
@@ -88,6 +92,10 @@ def test_bench_runs_every_method_and_writes_reports(tmp_path, tiny_target_dir, h
             "6",
             "--draft-layers",
             "1",
+            "--dflash",
+            str(head_dirs / "dflash"),
+            "--dflash-budget",
+            "4",
             "--out",
             str(out),
         ]
@@ -107,7 +115,7 @@ def test_bench_runs_every_method_and_writes_reports(tmp_path, tiny_target_dir, h
     else:
         assert results["pretransposed"] and "Linear weights pretransposed" in printed
     # the default
-    assert results["int8_draft"] == (["eagle1", "eagle3", "medusa1", "medusa2"] if X86_INT8 else [])
+    assert results["int8_draft"] == (["dflash", "eagle1", "eagle3", "medusa1", "medusa2"] if X86_INT8 else [])
     methods = {r["method"] for r in results["rows"]}
     assert {
         "prompt lookup",
@@ -120,7 +128,18 @@ def test_bench_runs_every_method_and_writes_reports(tmp_path, tiny_target_dir, h
         "EAGLE-3 static",
         "EAGLE-3 dynamic",
         "EAGLE-3 dynamic 3/2/5",
+        "DFlash chain 7",  # the whole block: what vLLM's dflash method drafts
+        "DFlash best-first 4",
+        "DFlash sized",
     } <= methods
+    sized = next(r for r in results["rows"] if r["method"] == "DFlash sized")
+    assert sized["tree"].startswith("cost model: best-first(budget=")
+    budgets = results["best_first_sizing"]
+    assert [b["predicted_speedup"] for b in budgets] == sorted(
+        (b["predicted_speedup"] for b in budgets), reverse=True
+    )
+    assert sized["tree"] == f"cost model: best-first(budget={budgets[0]['budget']})"
+    assert "Cost-model budget of the DFlash best-first tree" in printed
     wide = next(r for r in results["rows"] if r["method"] == "Medusa-1 6 nodes")
     assert wide["tree"].startswith("measured acceptance: static, ") and wide["draft_nodes_per_step"] <= 6
     extra = next(r for r in results["rows"] if r["method"] == "EAGLE-3 dynamic 3/2/5")

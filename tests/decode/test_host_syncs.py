@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-from decode import DynamicTree, generate
+from decode import BestFirstTree, DynamicTree, generate
 from heads.eagle import EagleConfig, EagleHead
 from heads.medusa import MedusaConfig, MedusaHeads
 
@@ -186,3 +186,22 @@ def test_a_min_prob_bound_reads_the_device_once_per_draft_level_and_once_for_the
         for b in (1, 3)
     }
     assert set(batched.values()) == {BOUND + 4}, f"batched: {batched}"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampling"])
+def test_a_best_first_tree_adds_one_read_and_one_upload_per_step(build_target, temperature):
+    """DDTree's proposal reads each depth's top log-probabilities once and uploads the rows' node arrays once,
+    whatever its budget, the target's depth or the batch; acceptance adds nothing (`accept_chosen` when
+    sampling runs on the device as the others do)."""
+    counts = {}
+    for layers in (2, 6):
+        target, heads = _always_accepting(build_target, layers, "medusa")
+        for budget in (4, 12):
+            counts[(layers, budget, 1)], tau = _per_step(target, heads, BestFirstTree(budget), temperature)
+            assert tau >= 3.0, f"drafts were rarely accepted (tau {tau:.2f}): vacuous"
+    for batch in (1, 3):
+        counts[(2, 8, batch)] = _per_batched_step(target, heads, batch, BestFirstTree(8), temperature)
+    assert len(set(counts.values())) == 1, (
+        f"round trips per step vary with the budget, layers or batch: {counts}"
+    )
+    assert max(counts.values()) <= BOUND + 2, f"{counts} round trips per step, bound {BOUND} + 2"

@@ -14,9 +14,10 @@ import torch
 from scipy.stats import chisquare
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from decode import DynamicTree, generate
+from decode import BestFirstTree, DynamicTree, generate
 from decode.accept import target_probs
 from heads import EagleConfig, EagleHead, MedusaConfig, MedusaHeads
+from heads.dflash import DFlashConfig, DFlashHead
 
 VOCAB, RUNS, NEW = 8, 16, 120
 PROMPT = torch.tensor([[1, 4, 2]])
@@ -138,6 +139,13 @@ def make_heads(model, kind, std=2.0):
         for proj in heads.lm_heads:  # random and unlike the target; small std = a flat draft
             torch.nn.init.normal_(proj.weight, std=std)
         return heads
+    if kind == "dflash":  # a block drafter with its own lm_head over 4 of the 8 tokens
+        head = DFlashHead(
+            DFlashConfig.from_target(model.config, 7, num_hidden_layers=1, block_size=4, draft_vocab_size=4)
+        )
+        head.set_draft_vocab(torch.tensor([0, 2, 3, 5]))
+        torch.nn.init.normal_(head.lm_head.weight, std=std)
+        return head
     head = EagleHead(
         EagleConfig.from_target(model.config, kind, **({"draft_vocab_size": 4} if kind == "eagle3" else {}))
     )
@@ -152,11 +160,12 @@ CASES = [
     ("eagle1", DynamicTree(depth=3, top_k=3, total_tokens=6), {"temperature": 1.0}),
     ("eagle3", [(0,), (1,), (0, 0), (0, 1), (1, 0)], {"temperature": 1.0}),
     ("eagle1", [(0,), (1,), (0, 0), (0, 0, 0)], {"temperature": 0.7, "top_k": 4, "top_p": 0.9}),
+    ("dflash", [(0,), (1,), (2,), (0, 0), (1, 0), (0, 1), (0, 0, 0)], {"temperature": 1.0}),
 ]
 
 
 @pytest.mark.parametrize(
-    "kind,tree,sampling", CASES, ids=["medusa", "eagle1-dynamic", "eagle3", "eagle1-topk-topp"]
+    "kind,tree,sampling", CASES, ids=["medusa", "eagle1-dynamic", "eagle3", "eagle1-topk-topp", "dflash"]
 )
 def test_speculative_sampling_matches_target_distribution(target, kind, tree, sampling):
     pvalue = fit_pvalue(
@@ -235,7 +244,9 @@ def test_negative_control_typical_acceptance_is_detected(target):
     assert pvalue < 1e-3, "typical acceptance should be detected as lossy"
 
 
-@pytest.mark.parametrize("kind,tree,sampling", CASES[1:3], ids=["eagle1-dynamic", "eagle3"])
+@pytest.mark.parametrize(
+    "kind,tree,sampling", [CASES[1], CASES[2], CASES[4]], ids=["eagle1-dynamic", "eagle3", "dflash"]
+)
 def test_batched_speculative_sampling_matches_target_distribution_per_row(target, kind, tree, sampling):
     """Four prompts of different lengths decoded together: every row's tokens follow its own target
     distribution."""
@@ -394,3 +405,37 @@ def test_typical_acceptance_fails_the_joint_test(target):
         target, make_heads(target, "medusa"), CASES[0][1], samples=2000, acceptance="typical"
     )
     assert pvalue < 1e-3, "typical acceptance should be detected as lossy"
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["alone", "batched"])
+@pytest.mark.parametrize(
+    "kind, sampling",
+    [
+        ("medusa", {"temperature": 1.0}),
+        ("dflash", {"temperature": 0.7, "top_k": 5}),
+        ("dflash", {"temperature": 1.0}),
+    ],
+    ids=["medusa", "dflash-topk", "dflash"],
+)
+def test_best_first_trees_sample_the_target_distribution(target, kind, sampling, batched):
+    """DDTree's chosen (not drawn) children: acceptance draws from the target and descends while the draw is
+    a child (`accept_chosen`), so the emitted tokens follow the target's distribution."""
+    tree = BestFirstTree(budget=6)
+    pvalue = fit_pvalue(target, make_heads(target, kind), tree, 9000, sampling, min_tau=1.2, batched=batched)
+    assert pvalue > 1e-3, f"{kind}: best-first sampling deviates from the target (chi-square p={pvalue:.2e})"
+
+
+def test_negative_control_taking_the_top_child_on_a_miss_is_detected(target, monkeypatch):
+    """BIASED on purpose: when the target's draw at a node is none of its children, emit the node's rank-0
+    child instead of the draw."""
+    accept = importlib.import_module("decode.accept")
+    real = accept.accept_chosen
+
+    def biased(tree, logits, temperature, top_p, top_k, generator):
+        path, bonus = real(tree, logits, temperature, top_p, top_k, generator)
+        first = tree.child_table()[path[path >= 0][-1]]
+        return path, (tree.tokens[first[0]] if first.numel() and first[0] >= 0 else bonus)
+
+    monkeypatch.setattr(accept, "accept_chosen", biased)
+    pvalue = fit_pvalue(target, make_heads(target, "dflash"), BestFirstTree(budget=6), 9000, min_tau=1.2)
+    assert pvalue < 1e-3, f"the biased rule was not detected (chi-square p={pvalue:.2e})"

@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from decode.generate import generate
 from engines.export import FILES, FORMATS, export_head, import_head, validate_export
+from heads.dflash import DFlashConfig, DFlashHead
 from heads.eagle import EagleConfig, EagleHead
 from heads.io import save_heads
 from heads.medusa import MedusaConfig, MedusaHeads
@@ -25,6 +26,8 @@ CASES = [
     ("eagle3", "sglang"),
     ("eagle3", "speculators"),
     ("eagle3.1", "speculators"),  # EAGLE-3.1 norms: norm_before_fc's weight and both flags round-trip
+    ("dflash", "dflash"),  # its own lm_head over 64 tokens, d2t and t2d
+    ("dflash_shared", "dflash"),  # the target's lm_head: no lm_head, d2t or t2d shipped
 ]
 EXPECTED_FILES = {
     "sglang": ["config.json", "model.safetensors"],
@@ -32,6 +35,7 @@ EXPECTED_FILES = {
     "eagle1": ["config.json", "model.safetensors"],
     "medusa": ["config.json", "medusa_lm_head.safetensors"],
     "medusa-vllm": ["config.json", "model.safetensors"],
+    "dflash": ["config.json", "model.safetensors"],
 }
 
 
@@ -53,6 +57,13 @@ def make_head(kind: str, target, **overrides):
                 **overrides,
             )
         )
+    elif kind.startswith("dflash"):
+        vocab = None if kind == "dflash_shared" else 64
+        head = DFlashHead(
+            DFlashConfig.from_target(target.config, 7, num_hidden_layers=2, draft_vocab_size=vocab)
+        )
+        if vocab:
+            head.set_draft_vocab(torch.randperm(target.config.vocab_size)[:64])
     else:
         head_type = kind.removesuffix("_bias").removesuffix(".1")
         extra = {"draft_vocab_size": 64} if head_type == "eagle3" else {}
@@ -353,3 +364,38 @@ def test_import_takes_a_hub_snapshot_with_readme_but_not_stray_weights(tmp_path,
         ValueError, match=r"no other weight files \(found \['model-00002-of-00002.safetensors'\]\)"
     ):
         import_head(sglang_export, target=llama)
+
+
+def test_dflash_export_is_what_vllms_dflash_reads_and_its_validator_lists_each_problem(tmp_path, llama):
+    head = make_head("dflash", llama)
+    export_head(head, "dflash", tmp_path / "out", target=llama)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (config["architectures"], config["model_type"]) == (["DFlashDraftModel"], "qwen3")
+    assert config["dflash_config"] == {
+        "mask_token_id": 7,
+        "target_layer_ids": list(head.config.aux_layer_ids),
+    }
+    assert (config["block_size"], config["num_target_layers"], config["draft_vocab_size"]) == (8, 4, 64)
+    assert config["rope_theta"] == head.config.rope_parameters["rope_theta"]
+    assert "eagle_aux_hidden_state_layer_ids" not in config  # vLLM would read it first, as input-to-layer ids
+    keys = set(load_file(tmp_path / "out" / "model.safetensors"))
+    assert {"layers.1.self_attn.k_norm.weight", "fc.weight", "hidden_norm.weight", "d2t"} <= keys
+    assert not any("embed_tokens" in key for key in keys)  # vLLM shares the target's
+
+    def damage(config):
+        config["eagle_aux_hidden_state_layer_ids"] = [2, 3]
+        del config["rope_theta"], config["rope_parameters"]
+        config["dflash_config"]["mask_token_id"] = "7"
+
+    _edit_config(tmp_path / "out", damage)
+    _edit_weights(tmp_path / "out", lambda state: state.pop("layers.0.self_attn.q_norm.weight"))
+    with pytest.raises(ValueError) as raised:
+        validate_export(tmp_path / "out", "dflash")
+    message = str(raised.value)
+    for problem in (
+        "eagle_aux_hidden_state_layer_ids must not be set",
+        "lacks rope_theta",
+        "mask_token_id must be a token id, got '7'",
+        "missing tensors ['layers.0.self_attn.q_norm.weight']",
+    ):
+        assert problem in message, message

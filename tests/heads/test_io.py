@@ -11,11 +11,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from heads.dflash import DFlashConfig, DFlashHead
 from heads.eagle import EagleConfig, EagleHead
 from heads.io import CONFIG_NAME, FORMAT_VERSION, WEIGHTS_NAME, load_heads, save_heads
 from heads.medusa import MedusaConfig, MedusaHeads
 
-HEAD_TYPES = ["medusa", "eagle1", "eagle3"]
+HEAD_TYPES = ["medusa", "eagle1", "eagle3", "dflash"]
 
 
 def _head(kind: str, target_config):
@@ -31,6 +32,12 @@ def _head(kind: str, target_config):
         )
         for block in head.blocks:  # non-zero weights, so a round trip that drops them would show
             torch.nn.init.normal_(block[0].linear.weight)
+        return head
+    if kind == "dflash":
+        head = DFlashHead(
+            DFlashConfig.from_target(target_config, 5, num_hidden_layers=2, draft_vocab_size=64)
+        )
+        head.set_draft_vocab(torch.randperm(target_config.vocab_size)[:64])
         return head
     head = EagleHead(
         EagleConfig.from_target(target_config, kind, **({"draft_vocab_size": 64} if kind == "eagle3" else {}))
@@ -85,7 +92,7 @@ def test_round_trip_is_exact(tmp_path, llama, kind):
         assert torch.equal(actual[key], tensor), key
     halves = load_heads(path, llama, dtype=torch.bfloat16)
     assert (halves.lm_heads[0] if kind == "medusa" else halves.fc).weight.dtype == torch.bfloat16
-    if kind == "eagle3":  # the maps keep their integer / bool dtypes
+    if kind in ("eagle3", "dflash"):  # the maps keep their integer / bool dtypes
         assert halves.d2t.dtype == torch.int64 and halves.t2d.dtype == torch.bool
         assert torch.equal(loaded.to_target_ids(torch.arange(64)), head.to_target_ids(torch.arange(64)))
 
@@ -106,6 +113,9 @@ def test_config_records_provenance(tmp_path, llama, kind):
         assert "output of decoder layer" in config["aux_layer_ids_convention"]
     if kind == "medusa":
         assert (config["head_config"]["num_heads"], config["head_config"]["num_layers"]) == (2, 2)
+    if kind == "dflash":  # two layers, two taps spread over the 4 target layers
+        assert (config["head_config"]["aux_layer_ids"], config["head_config"]["mask_token_id"]) == ([0, 3], 5)
+        assert "output of decoder layer" in config["aux_layer_ids_convention"]
 
 
 @pytest.mark.parametrize("kind", HEAD_TYPES)

@@ -43,17 +43,19 @@ def test_formats_and_vllm_methods_come_from_the_kinds():
         "speculators": "eagle3",
         "eagle1": "eagle1",
         "medusa": "medusa",
-    } | {"medusa-vllm": "medusa"}
+    } | {"medusa-vllm": "medusa", "dflash": "dflash"}
     assert VLLM_EXPORT == {
         "eagle3": ("speculators", "eagle3"),
         "eagle1": ("eagle1", "eagle"),
         "medusa": ("medusa-vllm", "medusa"),
+        "dflash": ("dflash", "dflash"),
     }
 
 
 def test_lookups_name_what_is_registered():
     with pytest.raises(
-        ValueError, match=r"unknown head_type 'hydra'; expected one of \('eagle3', 'eagle1', 'medusa'\)"
+        ValueError,
+        match=r"unknown head_type 'hydra'; expected one of \('eagle3', 'eagle1', 'medusa', 'dflash'\)",
     ):
         registry.kind_for_head_type("hydra")
     with pytest.raises(

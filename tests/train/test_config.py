@@ -202,7 +202,7 @@ def test_wrong_type_in_yaml_names_file(tmp_path):
         (EagleRunConfig, "train.lr_scheduler=cosin", config_module.LR_SCHEDULERS),
         (EagleRunConfig, "train.report_to=all", config_module.REPORT_TO),
         (MedusaRunConfig, "train.mixed_precision=fp8", config_module.MIXED_PRECISIONS),
-        (EagleRunConfig, "eagle.head_type=eagle2", ("eagle1", "eagle3")),
+        (EagleRunConfig, "eagle.head_type=eagle2", config_module.RECIPE_HEAD_TYPES),
         (EagleRunConfig, "eagle.distill_loss=kl", config_module.DISTILL_LOSSES),
     ],
 )

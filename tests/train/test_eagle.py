@@ -34,8 +34,17 @@ FAST = ["train.eval_tau_prompts=0", "eagle.draft_vocab_size=256"]  # cheap steps
             "eagle3",
             ["eagle.aux_layer_ids=[0,2,3]", "eagle.draft_vocab_size=512", "eagle.distill_loss=lk_hybrid"],
         ),
+        (
+            "dflash",
+            [
+                "eagle.draft_vocab_size=512",
+                "eagle.block_size=4",
+                "eagle.draft_layers=2",
+                "eagle.distill_loss=lk_nla",
+            ],
+        ),
     ],
-    ids=["eagle3", "eagle3.1", "eagle1", "eagle3-lk_hybrid"],
+    ids=["eagle3", "eagle3.1", "eagle1", "eagle3-lk_hybrid", "dflash-lk_nla"],
 )
 def test_smoke_export_round_trips_and_decodes_losslessly(
     head_type, extra, tmp_path, overrides, run_recipe, tiny_target_dir, ckpt
@@ -54,11 +63,20 @@ def test_smoke_export_round_trips_and_decodes_losslessly(
     assert config["head_config"]["target_hidden_size"] == 32
     assert (config["base_model_type"], config["base_num_hidden_layers"]) == ("llama", 4)
     norms = "eagle.norm_output=true" in extra
-    assert (config["head_config"]["norm_before_fc"], config["head_config"]["norm_output"]) == (norms, norms)
+    if head_type == "dflash":  # 2 layers, 2 taps spread over the tiny target's 4 layers, its own vocabulary
+        head_config = config["head_config"]
+        assert (head_config["num_hidden_layers"], head_config["block_size"]) == (2, 4)
+        assert (head_config["aux_layer_ids"], head_config["draft_vocab_size"]) == ([0, 3], 512)
+        assert 0 <= head_config["mask_token_id"] < 49152
+    else:
+        assert (config["head_config"]["norm_before_fc"], config["head_config"]["norm_output"]) == (
+            norms,
+            norms,
+        )
     if head_type == "eagle3":
         assert config["head_config"]["aux_layer_ids"] == [0, 2, 3]
         assert config["head_config"]["draft_vocab_size"] == (49152 if norms else 512)
-    else:
+    elif head_type == "eagle1":
         assert config["head_config"]["aux_layer_ids"] is None
     assert config["train_step"] == 2
     assert config["training"] == to_dict(cfg)
