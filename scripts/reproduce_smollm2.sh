@@ -17,7 +17,7 @@
 # own configs; `bash scripts/reproduce_smollm2.sh shipped` runs only this part: EAGLE-3 stage 1 over 6,599
 # chats (its dump 25-38 min, two epochs 49-67 min), stage 2 over all 8,135 from stage 1's head (its dump 29-44
 # min, two epochs under bf16 autocast 40-57 min), Medusa-1 2,000 steps online over the 6,599 (37-63 min), the
-# benchmark of both (19-33 min), their cards: about 4 h 50 min end to end on 2 AMD EPYC cores (2026-12-04, in a
+# benchmark of both (19-33 min), their cards, then DFlash (one epoch online, 45 min; its benchmark 35 min): about 4 h 50 min end to end on 2 AMD EPYC cores (2026-12-04, in a
 # fresh clone; docs/benchmark.md has what it rebuilt). After a kill rerun the same command: the dumps keep
 # their complete shards and training resumes from its newest state.
 set -euo pipefail
@@ -29,6 +29,7 @@ shipped() {
     local -A trained=(  # the commands that go on the cards
         [eagle3]="OMP_NUM_THREADS=2 python train/eagle.py $stage1, then OMP_NUM_THREADS=2 python train/eagle.py configs/eagle3_smollm2_ship.yaml"
         [medusa1]="OMP_NUM_THREADS=2 python train/medusa.py configs/medusa1_smollm2_ship.yaml"
+        [dflash]="python train/eagle.py configs/dflash_smollm2_ship.yaml"
     )
     mkdir -p runs
     python scripts/dump_hidden_states.py "$stage1"  # EAGLE-3 stage 1: 6,599 chats, two epochs
@@ -36,6 +37,7 @@ shipped() {
     python scripts/dump_hidden_states.py configs/eagle3_smollm2_ship.yaml  # stage 2: all 8,135, two more
     python train/eagle.py configs/eagle3_smollm2_ship.yaml > runs/eagle3_smollm2_ship.log 2>&1
     python train/medusa.py configs/medusa1_smollm2_ship.yaml > runs/medusa1_smollm2_ship.log 2>&1
+    python train/eagle.py configs/dflash_smollm2_ship.yaml > runs/dflash_smollm2_ship.log 2>&1  # 45 min, online
     local bench=results/bench_smollm2_pretrained
     for name in eagle3 medusa1; do  # shipped, benchmarked from pretrained/, then shipped with the bench's rows
         python scripts/ship_head.py "runs/${name}_smollm2_ship/head" --name "$name" --command "${trained[$name]}"
@@ -47,6 +49,12 @@ shipped() {
         python scripts/ship_head.py "runs/${name}_smollm2_ship/head" --name "$name" --command "${trained[$name]}" \
             --bench "$bench/bench.json"
     done
+    # DFlash: shipped, then its own benchmark beside the two (docs/benchmark.md, DFlash), then its card's rows
+    python scripts/ship_head.py runs/dflash_smollm2_ship/head --name dflash --command "${trained[dflash]}"
+    python scripts/bench.py --pretrained --prompts 10 --max-new-tokens 64 --temperatures 0 1 --dflash-budget 8 \
+        --dflash-budget 16 --size-tree --out results/bench_dflash
+    python scripts/ship_head.py runs/dflash_smollm2_ship/head --name dflash --command "${trained[dflash]}" \
+        --bench results/bench_dflash/bench.json
 }
 if [[ "${1:-}" == shipped ]]; then
     shipped

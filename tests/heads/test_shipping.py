@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from benchmarks.benchmark import load_prompts, prompt_ids
 from decode import generate
-from heads import shipping
+from heads import registry, shipping
 from heads.eagle import EagleConfig, EagleHead
 from heads.io import load_heads, save_heads
 from heads.shipping import CARD, TRAIN_CONFIG, pretrained_dir, ship_head, target_slug
@@ -159,8 +159,18 @@ def test_train_config_of_a_shipped_head_is_valid_yaml(tmp_path, trained):
     assert yaml.safe_load((dest / TRAIN_CONFIG).read_text())["train"]["output_dir"]
 
 
-def test_the_default_target_has_a_shipped_eagle3_and_medusa1_head():
-    assert {"eagle3", "medusa1"} <= {p.name for p in SHIPPED}
+def test_the_default_target_has_a_shipped_eagle3_medusa1_and_dflash_head():
+    assert {"eagle3", "medusa1", "dflash"} <= {p.name for p in SHIPPED}
+
+
+def _run_config(folder):
+    """The run config class of a shipped head's recipe (the registry's: train/eagle.py or train/medusa.py)."""
+    head_type = json.loads((folder / "config.json").read_text())["head_type"]
+    return (
+        EagleRunConfig
+        if registry.kind_for_head_type(head_type).recipe == "train/eagle.py"
+        else MedusaRunConfig
+    )
 
 
 @pytest.mark.parametrize("folder", SHIPPED, ids=lambda p: p.name)
@@ -171,10 +181,10 @@ def test_committed_head_was_trained_by_its_config_which_the_reproduce_script_run
     from an earlier stage's (init_from) names it in both, and the script trains every earlier stage first."""
     name = folder.name
     config = ROOT / "configs" / f"{name}_smollm2_ship.yaml"
-    run_config = EagleRunConfig if name.startswith("eagle") else MedusaRunConfig
+    run_config = _run_config(folder)
     recorded = to_dict(load_config(run_config, folder / TRAIN_CONFIG, []))
     committed = to_dict(load_config(run_config, config, []))
-    section = "eagle" if name.startswith("eagle") else "medusa"
+    section = "eagle" if run_config is EagleRunConfig else "medusa"
     recorded_init, init = recorded[section].pop("init_from"), committed[section].pop("init_from")
     assert (recorded_init is None) == (init is None), (recorded_init, init)
     assert recorded[section] == committed[section]
@@ -215,8 +225,7 @@ def test_committed_head_loads_against_the_default_target_and_decodes_as_the_targ
     assert (folder / "model.safetensors").stat().st_size <= 25 * 2**20
     assert {v.dtype for v in weights.values() if v.is_floating_point()} <= {torch.bfloat16, torch.float16}
     assert "Trained by:" in (folder / CARD).read_text()
-    run_config = EagleRunConfig if folder.name.startswith("eagle") else MedusaRunConfig
-    assert load_config(run_config, folder / TRAIN_CONFIG, []).model.target == DEFAULT_TARGET
+    assert load_config(_run_config(folder), folder / TRAIN_CONFIG, []).model.target == DEFAULT_TARGET
     model, tokenizer = load_target(DEFAULT_TARGET)
     heads = load_heads(folder, target=model)
     prompts, _ = load_prompts(ROOT / "data" / "smollm2", 4, 0)
