@@ -68,6 +68,7 @@ A leaf: this module knows `nn.Linear` only (no heads, trees or decoding loop).
 from __future__ import annotations
 
 import types
+import uuid
 import warnings
 from typing import NamedTuple
 
@@ -78,7 +79,10 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 _ONEDNN = "_selfspec_onednn"  # layer attribute: a `_Copy` holding oneDNN's reordered weight
 _WEIGHT_T = "_selfspec_weight_t"  # layer attribute: a `_Copy` holding the (out, in) view of an (in, out) copy
 _PACKED = "_selfspec_packed"  # layer attribute: a `_Copy` holding MKL's packed weight for `rows` rows
-_STEPS = "_selfspec_steps"  # tensor attribute: how many optimizer steps have held it (see `_count_step`)
+# tensor attribute: how many optimizer steps have held it (see `_count_step`). Named per copy of this module:
+# a second copy (a reload, or an earlier revision's decode/ that `benchmarks.ab` imports under another name)
+# registers its own hook, which then counts on its own attribute instead of counting every step twice here
+_STEPS = f"_selfspec_steps_{uuid.uuid4().hex}"
 
 
 class _Copy(NamedTuple):
@@ -98,7 +102,7 @@ def _count_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
             setattr(param, _STEPS, getattr(param, _STEPS, 0) + 1)
 
 
-register_optimizer_step_post_hook(_count_step)  # global; a second one (a reload) would only count twice
+register_optimizer_step_post_hook(_count_step)  # global, once per copy of this module
 
 
 def _holds(weight: Tensor, copy: _Copy) -> bool:
