@@ -43,6 +43,7 @@ from targets.layer_draft import layer_draft
 
 CHAT_SOURCES = {"chitchat", "chitchat_starter"}  # prompts_eval.jsonl sources of the "chat" category
 CATEGORIES = ("chat", "instruction", "code")
+BLOCK_LABELS = {"dflash": "DFlash", "peagle": "P-EAGLE"}  # block drafters: every depth from one forward
 VERIFY_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48)  # tree sizes whose verify cost the sizing measures
 PROMPT_LOOKUP_TOKENS = 10  # transformers' documented starting point for prompt_lookup_num_tokens
 # our prompt lookup (`decode.drafters.ngram`): a chain of up to as many tokens, drafted while the copy is sure
@@ -284,7 +285,7 @@ def build_methods(
     eagle3_trees=(),
     medusa1_trees=(),
     draft_layers=(),
-    dflash_budgets=(),
+    block_budgets=(),
 ) -> tuple[list[Method], dict, dict]:
     """The methods to compare, in report order, the loaded heads by name, and the targets by name.
 
@@ -298,12 +299,12 @@ def build_methods(
         medusa1_trees: the same, of Medusa-1 dynamic trees (depth at most its heads).
         draft_layers: layer counts N of drafts made of the target's first N layers (`targets.layer_draft`),
             each a separate draft model (`decode.drafters.model.DraftModel`) with the default dynamic tree.
-        dflash_budgets: `BestFirstTree` budgets the DFlash head ("dflash") decodes with, beside the chain of
-            its whole block.
+        block_budgets: `BestFirstTree` budgets the block drafters (`BLOCK_LABELS`: "dflash", "peagle")
+            decode with, beside the chain of all their depths (what vLLM drafts with them).
     """
     loaded = {
         name: load_heads(paths[name], target=model)
-        for name in ("medusa1", "eagle1", "eagle3", "dflash")
+        for name in ("medusa1", "eagle1", "eagle3", *BLOCK_LABELS)
         if paths.get(name)
     }
     targets = {"base": model}
@@ -334,15 +335,16 @@ def build_methods(
         )
     if "medusa1" in loaded:
         methods += dynamic_methods("Medusa-1", loaded["medusa1"], medusa1_trees)
-    if "dflash" in loaded:
-        head = loaded["dflash"]
-        block = chain(head.block_size - 1)  # what vLLM's dflash method drafts: the whole block, a chain
-        methods.append(
-            Method(f"DFlash chain {head.block_size - 1}", head, block, tree_label=tree_label(block))
-        )
-        for budget in dflash_budgets:
+    for name, label in BLOCK_LABELS.items():
+        if name not in loaded:
+            continue
+        head = loaded[name]
+        depths = head.draft_depths
+        block = chain(depths)  # what vLLM drafts with it: every depth of one forward, a chain
+        methods.append(Method(f"{label} chain {depths}", head, block, tree_label=tree_label(block)))
+        for budget in block_budgets:
             tree = BestFirstTree(budget)
-            methods.append(Method(f"DFlash best-first {budget}", head, tree, tree_label=tree_label(tree)))
+            methods.append(Method(f"{label} best-first {budget}", head, tree, tree_label=tree_label(tree)))
     return methods, loaded, targets
 
 
@@ -461,7 +463,7 @@ def benchmark(
     medusa1_trees=(),
     medusa1_nodes=(),
     draft_layers=(),
-    dflash_budgets=(),
+    block_budgets=(),
     pretranspose: bool | None = None,
     int8_draft: bool | None = None,
     onednn: bool | None = None,
@@ -478,7 +480,7 @@ def benchmark(
             decoding included (None: where they help on this device).
     """
     methods, loaded, targets = build_methods(
-        model, model_name, paths, eagle3_trees, medusa1_trees, draft_layers, dflash_budgets
+        model, model_name, paths, eagle3_trees, medusa1_trees, draft_layers, block_budgets
     )
     layout = {"pretranspose": pretranspose, "int8_draft": int8_draft, "onednn": onednn}
     results: dict = {
@@ -493,7 +495,7 @@ def benchmark(
         "int8_draft": [],  # filled in below: the heads decode.prepare made int8
         "rows": [],
         "sizing": {},
-        "best_first_sizing": [],  # the DFlash budget's, per budget, when sized
+        "best_first_sizing": {},  # per block drafter, its best-first budgets' records, when sized
     }
     # 1. cost-model tree sizing on the calibration prompts (disjoint from the benchmark prompts); the heads
     # are prepared first, as the benchmark decodes with them
@@ -517,14 +519,14 @@ def benchmark(
             _, best = best_tree(sizing.acceptance, nodes, max_depth=loaded[name].config.num_heads)
             tree = "measured acceptance: " + tree_label(best)
             methods.append(Method(f"Medusa-1 {nodes} nodes", loaded[name], best, tree_label=tree))
-    if size_tree and "dflash" in loaded:  # a block drafter's best-first budget: tau measured per budget
+    for name, label in BLOCK_LABELS.items() if size_tree else ():  # best-first budgets: tau measured each
+        if name not in loaded:
+            continue
         rows = [prompt_ids(tokenizer, row) for row in calibration_rows]
-        print(f"sizing the dflash budget on {len(rows)} calibration prompts ...", file=sys.stderr, flush=True)
-        prepare(model, loaded["dflash"], None, **layout)
-        choices = size_best_first(
-            model, loaded["dflash"], rows, max_new_tokens=max_new_tokens, repeats=repeats
-        )
-        results["best_first_sizing"] = [
+        print(f"sizing the {name} budget on {len(rows)} calibration prompts ...", file=sys.stderr, flush=True)
+        prepare(model, loaded[name], None, **layout)
+        choices = size_best_first(model, loaded[name], rows, max_new_tokens=max_new_tokens, repeats=repeats)
+        results["best_first_sizing"][name] = [
             {
                 "budget": c.budget,
                 "tau": c.tau,
@@ -535,8 +537,9 @@ def benchmark(
             for c in choices
         ]
         tree = BestFirstTree(choices[0].budget)
-        label = f"cost model: {tree_label(tree)}"
-        methods.append(Method("DFlash sized", loaded["dflash"], tree, tree_label=label))
+        methods.append(
+            Method(f"{label} sized", loaded[name], tree, tree_label=f"cost model: {tree_label(tree)}")
+        )
     # 2. per temperature, category and prompt: plain, then every method in a rotating order
     tallies = run_benchmark(
         tokenizer,

@@ -6,11 +6,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from benchmarks.benchmark import BLOCK_LABELS
 from decode.tree import DynamicTree
 from heads.shipping import pretrained_dir
 from targets import DEFAULT_TARGET
 
-SHIPPED = ("eagle3", "medusa1", "dflash")  # the heads --pretrained looks for
+SHIPPED = ("eagle3", "medusa1", "dflash", "peagle")  # the heads --pretrained looks for
+BLOCK_HEADS = tuple(BLOCK_LABELS)  # block drafters: a chain of all their depths and best-first trees
 
 
 def parse_args(argv: list[str] | None, description: str = "") -> argparse.Namespace:
@@ -20,12 +22,13 @@ def parse_args(argv: list[str] | None, description: str = "") -> argparse.Namesp
     )
     add = parser.add_argument
     add("--model", default=DEFAULT_TARGET)
-    for name in ("eagle3", "eagle1", "medusa1", "dflash"):
+    for name in ("eagle3", "eagle1", "medusa1", *BLOCK_HEADS):
         add(f"--{name}", help=f"{name} head folder")
     add("--medusa2", help="Medusa-2 run folder (holding head/ and lora/)")
     shipped = (
         "decode with the heads shipped for --model in pretrained/<target>/ (scripts/ship_head.py): its "
-        "eagle3, medusa1 and dflash folders, where --eagle3 / --medusa1 / --dflash do not name others"
+        "eagle3, medusa1, dflash and peagle folders, where --eagle3 / --medusa1 / --dflash / --peagle do not "
+        "name others"
     )
     add("--pretrained", action="store_true", help=shipped)
     add(
@@ -45,16 +48,18 @@ def parse_args(argv: list[str] | None, description: str = "") -> argparse.Namesp
         help="a Medusa-1 dynamic tree (repeatable; depth at most the heads'), beside its static tree16",
     )
     budget = (
-        "a DDTree budget the DFlash head decodes with (decode.BestFirstTree; repeatable), beside its chain"
+        "a DDTree budget the block drafters (DFlash, P-EAGLE) decode with (decode.BestFirstTree; "
+        "repeatable), beside their chains (default: 16)"
     )
-    add("--dflash-budget", type=int, action="append", default=[], metavar="N", help=budget)
+    add("--block-budget", "--dflash-budget", type=int, action="append", default=[], metavar="N", help=budget)
     add("--prompts", type=int, default=4, help="prompts per category")
     skip = "start each category after its first N prompts: rows a default run never reports, to tune trees on"
     add("--skip-prompts", type=int, default=0, metavar="N", help=skip)
     add("--calibration-prompts", type=int, default=4, help="chat prompts for --size-tree")
     add("--max-new-tokens", type=int, default=96)
     add("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
-    add("--size-tree", action="store_true", help="add cost-model-sized trees (EAGLE-3, Medusa-1, DFlash)")
+    sized = "add cost-model-sized trees (EAGLE-3, Medusa-1, DFlash, P-EAGLE)"
+    add("--size-tree", action="store_true", help=sized)
     nodes = (
         "one more Medusa-1 static tree: the NODES likeliest nodes under the acceptance --size-tree measured "
         "(repeatable)"
@@ -103,10 +108,10 @@ def parse_args(argv: list[str] | None, description: str = "") -> argparse.Namesp
             setattr(args, name, getattr(args, name) or str(path))
     args.eagle3_tree = [tree_spec(parser, "--eagle3-tree", values) for values in args.eagle3_tree]
     args.medusa1_dynamic = [tree_spec(parser, "--medusa1-dynamic", values) for values in args.medusa1_dynamic]
-    if args.dflash and not args.dflash_budget:
-        args.dflash_budget = [16]
-    if min(args.dflash_budget, default=1) < 1:
-        parser.error(f"--dflash-budget must be at least 1, got {min(args.dflash_budget)}")
+    if any(getattr(args, name) for name in BLOCK_HEADS) and not args.block_budget:
+        args.block_budget = [16]
+    if min(args.block_budget, default=1) < 1:
+        parser.error(f"--block-budget must be at least 1, got {min(args.block_budget)}")
     if args.batch_sizes and not (args.eagle3 or args.medusa1):
         parser.error("--batch-sizes needs --eagle3 or --medusa1 (the head every row drafts with)")
     if args.medusa1_tree and not (args.size_tree and args.medusa1):

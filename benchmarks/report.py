@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from benchmarks.benchmark import CATEGORIES
+from benchmarks.benchmark import BLOCK_LABELS, CATEGORIES
 from heads.files import write_json, write_text
 
 
@@ -97,8 +97,12 @@ def render(results: dict) -> str:
         parts.append(
             markdown(["tree", "E[tokens]/step", "C_T(n+1) ms", "draft ms", "predicted speedup"], table)
         )
-    if results.get("best_first_sizing"):
-        parts.append("\n### Cost-model budget of the DFlash best-first tree (tau measured per budget)\n")
+    sizings = results.get("best_first_sizing") or {}
+    if isinstance(sizings, list):  # bench.json before P-EAGLE: the DFlash head's only
+        sizings = {"dflash": sizings}
+    for name, sizing in sizings.items():
+        label = BLOCK_LABELS.get(name, name)
+        parts.append(f"\n### Cost-model budget of the {label} best-first tree (tau measured per budget)\n")
         rows = [
             [
                 ("**chosen**: " if i == 0 else "") + str(c["budget"]),
@@ -107,7 +111,7 @@ def render(results: dict) -> str:
                 f"{c['propose_ms']:.1f}",
                 f"{c['predicted_speedup']:.2f}x",
             ]
-            for i, c in enumerate(results["best_first_sizing"])
+            for i, c in enumerate(sizing)
         ]
         parts.append(markdown(["budget", "tau", "C_T(n+1) ms", "draft ms", "predicted speedup"], rows))
     return "\n".join(parts) + "\n"

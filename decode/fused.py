@@ -90,7 +90,7 @@ class FusedEagleStep:
     def __init__(self, head: EagleHead) -> None:
         layer, cfg = head.midlayer, head.config
         attn, mlp = layer.self_attn, layer.mlp
-        self.head, self.eagle3 = head, head.head_type == "eagle3"
+        self.head, self.eagle3 = head, head.head_type != "eagle1"
         self.num_heads, self.kv_heads, self.head_dim = (
             cfg.num_attention_heads,
             cfg.num_key_value_heads,

@@ -284,20 +284,20 @@ def _grow_best_first(
     ids = drafter.to_target_ids(top.indices)  # (B, D, k)
     values = top.values.tolist()  # the proposal's one read of the device
     shapes = []  # per row, root first: parents, depths, ranks, then the N rows of its ancestor mask
+    max_depth, max_rank = 0, -1  # over every row's nodes, known on the host
     for row in values:
         paths = best_first_paths(row, spec.budget)
         index = {path: i + 1 for i, path in enumerate(paths)}
         parents = [-1] + [index.get(path[:-1], 0) for path in paths]
         depths, ranks = [0] + [len(path) for path in paths], [0] + [path[-1] for path in paths]
         shapes.append([parents, depths, ranks, *_host_ancestors(parents)])
+        max_depth, max_rank = max(max_depth, *depths), max(max_rank, *ranks[1:], -1)
     arrays = torch.tensor(shapes, device=device)  # (B, 3 + N, N): the proposal's one upload
     parents, depths, ranks = arrays[:, :3].unbind(1)  # (B, N) each
     ancestors = arrays[:, 3:].bool()
-    shapes = [(row[0], row[1], row[2]) for row in shapes]
     rows = torch.arange(batch, device=device)[:, None]
     tokens = torch.cat([roots[:, None], ids[rows, depths[:, 1:] - 1, ranks[:, 1:]]], dim=1)
-    max_depth = max(max(d) for _, d, _ in shapes)
-    max_children = max(max(r) for _, _, r in shapes) + 1 if tokens.shape[1] > 1 else 0
+    max_children = max_rank + 1
     return [
         DraftTree(
             tokens=tokens[b],

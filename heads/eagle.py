@@ -9,6 +9,7 @@ The layer's submodules are transformers' public Llama modules; only the wiring l
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -27,7 +28,8 @@ HEAD_TYPES = ("eagle1", "eagle3")
 
 @dataclass
 class EagleConfig:
-    head_type: str  # "eagle1" or "eagle3"
+    HEAD_TYPES: ClassVar[tuple[str, ...]] = HEAD_TYPES  # the head types this config describes
+    head_type: str  # "eagle1" or "eagle3" (subclasses: their own, built as eagle3's layer)
     hidden_size: int  # draft width H; equals the target's (EAGLE reuses its embedding)
     num_attention_heads: int
     num_key_value_heads: int
@@ -51,14 +53,14 @@ class EagleConfig:
     norm_output: bool = False
 
     def __post_init__(self) -> None:
-        if self.head_type not in HEAD_TYPES:
-            raise ValueError(f"head_type must be one of {HEAD_TYPES}, got {self.head_type!r}")
+        if self.head_type not in self.HEAD_TYPES:
+            raise ValueError(f"head_type must be one of {self.HEAD_TYPES}, got {self.head_type!r}")
         self.target_hidden_size = self.target_hidden_size or self.hidden_size
         self.draft_vocab_size = self.draft_vocab_size or self.vocab_size
         if self.aux_layer_ids is not None:
             self.aux_layer_ids = tuple(int(i) for i in self.aux_layer_ids)
-        if self.head_type == "eagle3" and (self.aux_layer_ids is None or len(self.aux_layer_ids) == 0):
-            raise ValueError("an eagle3 head needs aux_layer_ids (the tapped target layers)")
+        if self.head_type != "eagle1" and (self.aux_layer_ids is None or len(self.aux_layer_ids) == 0):
+            raise ValueError(f"an {self.head_type} head needs aux_layer_ids (the tapped target layers)")
         if self.head_type == "eagle1" and self.target_hidden_size != self.hidden_size:
             raise ValueError("eagle1 feeds its output to the target's lm_head: hidden sizes must match")
         if self.head_type == "eagle1" and (self.norm_before_fc or self.norm_output):
@@ -69,7 +71,7 @@ class EagleConfig:
         """A head config sized from a target's HF config (any Llama-like decoder)."""
         text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
         fields = {"head_type": head_type, **target_layer_sizes(text)}
-        if head_type == "eagle3":
+        if head_type != "eagle1":
             fields["aux_layer_ids"] = default_eagle3_layers(text.num_hidden_layers)
         fields.update(overrides)
         return cls(**fields)
@@ -295,14 +297,14 @@ class EagleHead(nn.Module):
 
     def checkpoint_notes(self) -> dict:
         """What `heads.io.save_heads` records in config.json beside the head's config."""
-        if self.head_type != "eagle3":
+        if self.head_type == "eagle1":
             return {}
         return {"aux_layer_ids_convention": "output of decoder layer i (0-based) = hidden_states[i + 1]"}
 
     def check_checkpoint(self, state: dict[str, Tensor], source: str) -> None:
         """Refuse a checkpoint's tensors that load without error but decode wrongly (a bad draft vocabulary
         map); `heads.io.load_heads` calls it on the raw tensors, before `load_state_dict` casts them."""
-        if self.head_type == "eagle3":
+        if self.head_type != "eagle1":
             c = self.config
             check_draft_vocab(state["d2t"], c.vocab_size, c.draft_vocab_size, source, t2d=state["t2d"])
 
@@ -318,7 +320,7 @@ class EagleHead(nn.Module):
 
     def project_features(self, target_features: Tensor) -> Tensor:
         """Target states (B, T, taps*Ht) -> the head's input feature (B, T, H)."""
-        if self.head_type != "eagle3":
+        if self.head_type == "eagle1":
             return target_features
         if self.config.norm_before_fc:
             target_features = self.input_norm(target_features)
@@ -371,14 +373,14 @@ class EagleHead(nn.Module):
     def set_draft_vocab(self, target_ids: Tensor) -> None:
         """Use `target_ids` (Vd distinct target ids, e.g. the most frequent in the training data) as draft
         vocab."""
-        if self.head_type != "eagle3":
+        if self.head_type == "eagle1":
             raise ValueError("only eagle3 heads have a reduced draft vocabulary")
         write_draft_vocab(self, target_ids)
 
     @torch.no_grad()
     def init_lm_head_from_target(self, target_lm_weight: Tensor) -> None:
         """EAGLE-3: start the draft lm_head from the target's rows of the draft vocabulary."""
-        if self.head_type == "eagle3":
+        if self.head_type != "eagle1":
             self.lm_head.weight.copy_(
                 target_lm_weight[self.to_target_ids(torch.arange(self.config.draft_vocab_size))]
             )

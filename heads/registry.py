@@ -156,6 +156,19 @@ register(
     )
 )
 register(
+    Kind(
+        name="peagle",
+        source="heads.peagle:PEagleHead",
+        drafter="decode.drafters.peagle:PEagleDrafter",
+        head_types=("peagle",),
+        config="heads.peagle:PEagleConfig",
+        loss="train.losses:peagle_loss",
+        recipe="train/eagle.py",
+        formats=("peagle",),
+        vllm=("peagle", "eagle3"),
+    )
+)
+register(
     Kind(name="ngram", source="decode.drafters.ngram:Ngram", drafter="decode.drafters.ngram:NgramDrafter")
 )
 register(

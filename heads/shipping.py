@@ -31,6 +31,7 @@ METHODS = {
     "eagle1": ("EAGLE-1",),
     "medusa2": ("Medusa-2",),
     "dflash": ("DFlash",),
+    "peagle": ("P-EAGLE",),
 }
 STANDARD_KEYS = {"head_type", "format_version", "base_model", "base_revision", "hidden_size", "vocab_size"}
 

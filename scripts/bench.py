@@ -59,7 +59,9 @@ def main(argv: list[str] | None = None) -> dict:
     prompts, calibration = load_prompts(
         DATA, args.prompts, args.calibration_prompts if args.size_tree else 0, args.skip_prompts
     )
-    paths = {name: getattr(args, name) for name in ("medusa1", "eagle1", "eagle3", "medusa2", "dflash")}
+    paths = {
+        name: getattr(args, name) for name in ("medusa1", "eagle1", "eagle3", "medusa2", *cli.BLOCK_HEADS)
+    }
     results = {
         "command": command,
         **benchmark(
@@ -78,7 +80,7 @@ def main(argv: list[str] | None = None) -> dict:
             medusa1_trees=args.medusa1_dynamic,
             medusa1_nodes=args.medusa1_tree,
             draft_layers=args.draft_layers,
-            dflash_budgets=args.dflash_budget,
+            block_budgets=args.block_budget,
             pretranspose=args.pretranspose,
             int8_draft=args.int8_draft,
             onednn=False if args.pretranspose is False else args.onednn,

@@ -17,7 +17,8 @@
 # own configs; `bash scripts/reproduce_smollm2.sh shipped` runs only this part: EAGLE-3 stage 1 over 6,599
 # chats (its dump 25-38 min, two epochs 49-67 min), stage 2 over all 8,135 from stage 1's head (its dump 29-44
 # min, two epochs under bf16 autocast 40-57 min), Medusa-1 2,000 steps online over the 6,599 (37-63 min), the
-# benchmark of both (19-33 min), their cards, then DFlash (one epoch online, 45 min; its benchmark 35 min): about 4 h 50 min end to end on 2 AMD EPYC cores (2026-12-04, in a
+# benchmark of both (19-33 min), their cards, then DFlash (one epoch online, 45 min; its benchmark 35 min),
+# then P-EAGLE from the shipped EAGLE-3 head (one epoch online): about 6 h end to end on 2 AMD EPYC cores (2026-12-04, in a
 # fresh clone; docs/benchmark.md has what it rebuilt). After a kill rerun the same command: the dumps keep
 # their complete shards and training resumes from its newest state.
 set -euo pipefail
@@ -30,6 +31,7 @@ shipped() {
         [eagle3]="OMP_NUM_THREADS=2 python train/eagle.py $stage1, then OMP_NUM_THREADS=2 python train/eagle.py configs/eagle3_smollm2_ship.yaml"
         [medusa1]="OMP_NUM_THREADS=2 python train/medusa.py configs/medusa1_smollm2_ship.yaml"
         [dflash]="python train/eagle.py configs/dflash_smollm2_ship.yaml"
+        [peagle]="OMP_NUM_THREADS=1 python train/eagle.py configs/peagle_smollm2_ship.yaml"
     )
     mkdir -p runs
     python scripts/dump_hidden_states.py "$stage1"  # EAGLE-3 stage 1: 6,599 chats, two epochs
@@ -55,6 +57,15 @@ shipped() {
         --dflash-budget 16 --size-tree --out results/bench_dflash
     python scripts/ship_head.py runs/dflash_smollm2_ship/head --name dflash --command "${trained[dflash]}" \
         --bench results/bench_dflash/bench.json
+    # P-EAGLE: from the shipped EAGLE-3 head (its config's init_from), one epoch online; shipped, benchmarked
+    # beside EAGLE-3, then its card's rows
+    OMP_NUM_THREADS=1 python train/eagle.py configs/peagle_smollm2_ship.yaml > runs/peagle_smollm2_ship.log 2>&1
+    python scripts/ship_head.py runs/peagle_smollm2_ship/head --name peagle --command "${trained[peagle]}"
+    python scripts/bench.py --eagle3 pretrained/smollm2-135m-instruct/eagle3 \
+        --peagle pretrained/smollm2-135m-instruct/peagle --prompts 10 --max-new-tokens 64 --temperatures 0 1 \
+        --block-budget 8 --block-budget 16 --size-tree --out results/bench_peagle
+    python scripts/ship_head.py runs/peagle_smollm2_ship/head --name peagle --command "${trained[peagle]}" \
+        --bench results/bench_peagle/bench.json
 }
 if [[ "${1:-}" == shipped ]]; then
     shipped

@@ -4,7 +4,8 @@
         [--num-speculative-tokens 3] [--vllm-python PATH] [-- extra vLLM arguments]
 
 Exports the head in the layout vLLM reads (EAGLE-3: `speculators`, method eagle3; EAGLE-1: `eagle1`,
-method eagle; Medusa: `medusa-vllm`, method medusa) into a cache folder named by a digest of the head's files,
+method eagle; Medusa: `medusa-vllm`, method medusa; DFlash: `dflash`, method dflash; P-EAGLE: `peagle`,
+method eagle3 with `parallel_drafting`) into a cache folder named by a digest of the head's files,
 the target and the draft count (`engines.serving.export_folder`: a retrained head gets a new export, an
 unchanged one reuses its own), then replaces itself with the server, on 127.0.0.1 unless `--host` says
 otherwise. Without `--vllm-python` it builds (once, ~4 min) and uses the cached vLLM CPU venv
@@ -27,7 +28,7 @@ import sys
 from pathlib import Path
 
 from engines.export import export_head
-from engines.serving import export_folder, server_command, vllm_export
+from engines.serving import export_folder, server_command, vllm_drafting, vllm_export
 from heads.io import read_head_config
 from targets import DEFAULT_TARGET, cache_dir, resolve_target
 from train.venv import VLLM_ENV, clean_env, vllm_python
@@ -43,7 +44,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    drafts = "drafts per step (default: 3; a DFlash head: its block less the root, which it was trained for)"
+    drafts = (
+        "drafts per step (default: 3; a DFlash head: its block less the root, a P-EAGLE head: its depths, "
+        "which they were trained for)"
+    )
     parser.add_argument("--num-speculative-tokens", type=int, default=None, help=drafts)
     parser.add_argument("--dtype", default="float32", help="vLLM --dtype (float32: tokens equal ours on CPU)")
     parser.add_argument("--max-model-len", type=int, default=2048)
@@ -56,8 +60,8 @@ def main(argv: list[str] | None = None) -> None:
 
     config = read_head_config(args.head_dir)
     fmt, method = vllm_export(config["head_type"])
-    block = config["head_config"].get("block_size") if config["head_type"] == "dflash" else None
-    args.num_speculative_tokens = args.num_speculative_tokens or (block - 1 if block else 3)
+    default_drafts, speculative = vllm_drafting(config["head_type"], config["head_config"])
+    args.num_speculative_tokens = args.num_speculative_tokens or default_drafts
     name = args.target or config.get("base_model") or DEFAULT_TARGET
     target = resolve_target(name)
     export = args.export_dir or export_folder(
@@ -88,6 +92,7 @@ def main(argv: list[str] | None = None) -> None:
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         served_name=Path(name).name,
+        speculative=speculative,
         extra=extra,
     )
     print(shlex.join(command), flush=True)

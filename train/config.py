@@ -26,7 +26,7 @@ DTYPES = tuple(TORCH_DTYPES)
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
 HIDDEN_STATES = ("online", "offline")
 LR_SCHEDULERS = ("cosine", "linear", "constant")
-RECIPE_HEAD_TYPES = ("eagle3", "eagle1", "dflash")  # what train/eagle.py trains (eagle.head_type)
+RECIPE_HEAD_TYPES = ("eagle3", "eagle1", "dflash", "peagle")  # what train/eagle.py trains (eagle.head_type)
 DISTILL_LOSSES = ("soft_ce", "forward_kl", "lk_nla", "lk_hybrid")  # eagle.distill_loss (train.losses)
 REPORT_TO = ("none", "wandb", "tensorboard")
 HALF_PRECISIONS = {"bf16": "bfloat16", "fp16": "float16"}  # train.mixed_precision -> its model.dtype
@@ -156,15 +156,20 @@ class TrainConfig:
 @dataclass(kw_only=True)
 class EagleTrainConfig:
     head_type: str = "eagle3"  # eagle3: 3 fused taps, TTT, reduced-vocab lm_head; eagle1: final state;
-    # dflash: a block drafter of `draft_layers` layers drafting block_size - 1 tokens per forward
+    # dflash: a block drafter of `draft_layers` layers drafting block_size - 1 tokens per forward; peagle:
+    # EAGLE-3's head drafting parallel_depths tokens per forward (P-EAGLE)
     aux_layer_ids: list[int] | None = None  # eagle3 / dflash taps, output-of-layer ids; None = the default
     # (eagle3: 1, N/2-1, N-4; dflash: draft_layers taps spread over 1 .. N-3)
     draft_vocab_size: int = 0  # eagle3 / dflash draft vocabulary (most frequent training tokens); 0 = full
     block_size: int = 8  # dflash: the block (root + block_size - 1 drafts), the paper's 8 or 16
     draft_layers: int = 3  # dflash: decoder layers of the drafter (the paper: 5)
-    mask_token_id: int | None = None  # dflash: the token filling a block's draft slots; None = the highest
-    # token id that never occurs in the training data
-    anchors: int = 64  # dflash: blocks per training row at most (the paper: 512 on 3k-token rows)
+    mask_token_id: int | None = None  # dflash / peagle: the token filling the draft slots; None = the
+    # highest token id that never occurs in the training data
+    anchors: int = 64  # dflash: blocks per training row at most (the paper: 512 on 3k-token rows); peagle:
+    # chains per training row at most (speculators: 512)
+    parallel_depths: int = 4  # peagle: K, tokens drafted per forward (speculators' example: 4, default 8)
+    cod_ratio: float = 0.7  # peagle: depth d trains on max(cod_ratio**d, cod_min_ratio) of the positions
+    cod_min_ratio: float = 0.2  # (speculators' down_sample_ratio and down_sample_ratio_min)
     block_gamma: float = 0.0  # dflash: slot k weighs exp(-(k-1)/gamma); 0 = the paper's (4 for B=8, 7 for 16)
     layers_from_target: bool = False  # dflash: start the draft layers as copies of the target's last ones
     ttt_steps: int = 3  # eagle3 training-time-test unroll depth (speculators: 3, SpecForge: 7)
@@ -183,13 +188,16 @@ class EagleTrainConfig:
     norm_before_fc: bool = False  # EAGLE-3.1: RMSNorm over the concatenated taps before fc (eagle3)
     norm_output: bool = False  # EAGLE-3.1: the draft's normed output is its next step's feature (eagle3)
     init_from: str | None = None  # exported head folder to start from (more epochs, new data); its sizes,
-    # taps and draft vocabulary win over aux_layer_ids / draft_vocab_size
+    # taps and draft vocabulary win over aux_layer_ids / draft_vocab_size; peagle may start from an eagle3
+    # head (its layer, taps and vocabulary; new placeholder inputs: heads.peagle.PEagleHead.from_eagle3)
 
     def __post_init__(self) -> None:
         _one_of("head_type", self.head_type, RECIPE_HEAD_TYPES)
         _at_least(self, 0, "draft_vocab_size", "noise_width", "feature_loss_weight", "ce_loss_weight")
         _at_least(self, 0, "block_gamma")
-        _at_least(self, 1, "draft_layers", "anchors")
+        _at_least(self, 1, "draft_layers", "anchors", "parallel_depths")
+        _require(0 < self.cod_ratio <= 1, f"cod_ratio must be in (0, 1], got {self.cod_ratio}")
+        _require(0 <= self.cod_min_ratio <= 1, f"cod_min_ratio must be in [0, 1], got {self.cod_min_ratio}")
         _require(
             self.block_size >= 2, f"block_size must be at least 2 (a root and a draft), got {self.block_size}"
         )
@@ -198,8 +206,12 @@ class EagleTrainConfig:
         _one_of("distill_loss", self.distill_loss, DISTILL_LOSSES)
         _at_least(self, 0, "lk_eta")
         _require(
-            self.head_type == "eagle3" or not (self.norm_before_fc or self.norm_output),
+            self.head_type in ("eagle3", "peagle") or not (self.norm_before_fc or self.norm_output),
             "norm_before_fc and norm_output are EAGLE-3.1 options: eagle.head_type must be eagle3",
+        )
+        _require(
+            self.head_type != "peagle" or not self.norm_output,
+            "norm_output is not an option for peagle: vLLM's P-EAGLE config does not pass it on",
         )
         _require(
             self.distill_loss == "soft_ce" or self.head_type != "eagle1",

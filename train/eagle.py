@@ -1,4 +1,5 @@
-"""EAGLE recipe: train an EAGLE-1 or EAGLE-3 draft head on a frozen target (2401.15077, 2503.01840).
+"""EAGLE recipe: train an EAGLE-1, EAGLE-3, P-EAGLE or DFlash draft head on a frozen target (2401.15077,
+2503.01840, 2602.01469, 2602.06036).
 
     accelerate launch train/eagle.py configs/eagle3_smollm2.yaml [section.key=value ...]
 
@@ -22,14 +23,15 @@ from torch import Tensor, nn
 from heads import EagleConfig, EagleHead, FeatureCapture
 from heads.dflash import DFlashConfig, DFlashHead
 from heads.io import load_heads
+from heads.peagle import PEagleConfig, PEagleHead
 from train.checkpoint import EXPORT_DIR, export_head, gather_head
 from train.config import EagleRunConfig, EagleTrainConfig, load_config, to_dict
 from train.data import draft_vocab_from_frequencies, pad_token_id, token_frequencies
 from train.distributed import check_deepspeed_precision, make_accelerator, shard_fsdp2_units
-from train.evaluate import simulated_tau
+from train.evaluate import check_tau_target, simulated_tau
 from train.loader import load_datasets, load_frozen_target
 from train.loop import prepare_run, train_loop
-from train.losses import dflash_loss, eagle1_loss, eagle3_ttt_loss, needs_outside_mass
+from train.losses import dflash_loss, eagle1_loss, eagle3_ttt_loss, needs_outside_mass, peagle_loss
 from train.offline import offline_rows
 
 
@@ -58,6 +60,20 @@ class EagleStep(nn.Module):
                 lm_head,
                 anchors=self.cfg.anchors,
                 gamma=self.cfg.block_gamma or None,
+                distill=self.cfg.distill_loss,
+                lk_eta=self.cfg.lk_eta,
+            )
+        if self.head.head_type == "peagle":
+            return peagle_loss(
+                self.head,
+                features,
+                input_ids,
+                target_logits,
+                loss_mask,
+                embed,
+                ratio=self.cfg.cod_ratio,
+                min_ratio=self.cfg.cod_min_ratio,
+                max_anchors=self.cfg.anchors,
                 distill=self.cfg.distill_loss,
                 lk_eta=self.cfg.lk_eta,
             )
@@ -97,15 +113,21 @@ def _as_head_input(features: Tensor, head: nn.Module) -> Tensor:
     return features.to(dtype)
 
 
+def mask_token(cfg: EagleTrainConfig, counts: Tensor) -> int:
+    """The token filling a block drafter's draft slots: `cfg.mask_token_id`, else the highest id the data
+    never shows (its embedding means nothing else to the draft)."""
+    if cfg.mask_token_id is not None:
+        return cfg.mask_token_id
+    unused = (counts == 0).nonzero().flatten()
+    return int(unused[-1]) if unused.numel() else counts.numel() - 1
+
+
 def new_dflash_head(cfg: EagleTrainConfig, target: nn.Module, train_set) -> DFlashHead:
     """A fresh DFlash head sized from the target (`eagle.head_type: dflash`), its draft vocabulary and mask
     token from the training data."""
     vocab = target.config.get_text_config().vocab_size
     counts = token_frequencies(train_set, vocab)
-    mask_id = cfg.mask_token_id
-    if mask_id is None:  # a token the data never shows: its embedding means nothing else to the draft
-        unused = (counts == 0).nonzero().flatten()
-        mask_id = int(unused[-1]) if unused.numel() else vocab - 1
+    mask_id = mask_token(cfg, counts)
     overrides = {"num_hidden_layers": cfg.draft_layers, "block_size": cfg.block_size}
     overrides |= {"aux_layer_ids": tuple(cfg.aux_layer_ids) if cfg.aux_layer_ids is not None else None}
     overrides |= {"draft_vocab_size": cfg.draft_vocab_size or None}
@@ -123,6 +145,12 @@ def new_head(cfg: EagleTrainConfig, target: nn.Module, train_set) -> EagleHead |
     target). Float32 whatever the target's dtype: AdamW on bf16 weights would lose small late updates."""
     if cfg.init_from:
         head = load_heads(cfg.init_from, target, dtype=torch.float32, device=target.device)
+        if cfg.head_type == "peagle" and head.head_type == "eagle3":  # P-EAGLE from a trained EAGLE-3 head
+            counts = token_frequencies(train_set, target.config.get_text_config().vocab_size)
+            head = PEagleHead.from_eagle3(
+                head, cfg.parallel_depths, mask_token(cfg, counts), target.get_input_embeddings().weight
+            )
+            return head.to(dtype=torch.float32).train().requires_grad_(True)
         if head.head_type != cfg.head_type:
             raise ValueError(
                 f"eagle.init_from={cfg.init_from} holds a {head.head_type} head, but "
@@ -139,16 +167,21 @@ def new_head(cfg: EagleTrainConfig, target: nn.Module, train_set) -> EagleHead |
     if cfg.head_type == "dflash":
         return new_dflash_head(cfg, target, train_set)
     overrides = {"fc_bias": cfg.fc_bias}
-    if cfg.head_type == "eagle3":
+    vocab = target.config.get_text_config().vocab_size
+    counts = token_frequencies(train_set, vocab) if cfg.head_type != "eagle1" else None
+    if cfg.head_type != "eagle1":
         if cfg.aux_layer_ids is not None:
             overrides["aux_layer_ids"] = tuple(cfg.aux_layer_ids)
         overrides["draft_vocab_size"] = cfg.draft_vocab_size or None
         overrides |= {"norm_before_fc": cfg.norm_before_fc, "norm_output": cfg.norm_output}
-    head = EagleHead(EagleConfig.from_target(target.config, cfg.head_type, **overrides))
-    if cfg.head_type == "eagle3":
-        vocab = target.config.get_text_config().vocab_size
+    if cfg.head_type == "peagle":
+        overrides |= {"parallel_depths": cfg.parallel_depths, "mask_token_id": mask_token(cfg, counts)}
+        head = PEagleHead(PEagleConfig.from_target(target.config, **overrides))
+        head.init_from_target(target.get_input_embeddings().weight)
+    else:
+        head = EagleHead(EagleConfig.from_target(target.config, cfg.head_type, **overrides))
+    if cfg.head_type != "eagle1":
         if head.config.draft_vocab_size < vocab:
-            counts = token_frequencies(train_set, vocab)
             head.set_draft_vocab(draft_vocab_from_frequencies(counts, head.config.draft_vocab_size))
         head.init_lm_head_from_target(target.get_output_embeddings().weight)
     return head.to(dtype=torch.float32, device=target.device)
@@ -225,6 +258,7 @@ def main(cfg: EagleRunConfig) -> None:
 
     # 1. frozen target (replicated on every rank, never sharded) + trainable fp32 head
     target, tokenizer = load_frozen_target(cfg.model, accelerator)
+    check_tau_target(target, cfg.train.eval_tau_prompts)
     pad_id = pad_token_id(tokenizer)
 
     # 2. data

@@ -78,6 +78,22 @@ def eval_loss(
 
 
 @torch.no_grad()
+def check_tau_target(target: nn.Module, prompts: int) -> None:
+    """Refuse, before training starts, a simulated-tau evaluation (`prompts` > 0) on a target that
+    `decode.generate` cannot decode (a hybrid with recurrent layers: `decode.inputs.attention_windows`); heads
+    train on such a target's hidden states without it."""
+    from decode.inputs import attention_windows  # train -> decode, lazy as in `simulated_tau`
+
+    if prompts > 0:
+        try:
+            attention_windows(target)
+        except ValueError as err:
+            raise ValueError(
+                f"{err}. train.eval_tau_prompts={prompts} would decode it: set train.eval_tau_prompts=0 "
+                "to train without the simulated tau"
+            ) from err
+
+
 def simulated_tau(
     target: nn.Module,
     head: nn.Module,

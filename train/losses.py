@@ -1,6 +1,7 @@
 """Training losses as pure functions: EAGLE-1 (2401.15077 section 4.2), EAGLE-3 training-time test
 (2503.01840 section 3.2), Medusa-1 and Medusa-2's head term (2401.10774 section 2.2), and the LK losses
-(2602.23881: negative log acceptance and the KL/TV hybrid) as EAGLE-3 distillation options.
+(2602.23881: negative log acceptance and the KL/TV hybrid) as EAGLE-3 distillation options, DFlash's block
+loss (2602.06036) and P-EAGLE's parallel-drafting loss (2602.01469).
 
 Alignment used throughout: the target's hidden state / logits at position t predict token t + 1; a draft
 output at position t (input: feature t and token t + 1) predicts feature t + 1 and token t + 2, so its
@@ -18,6 +19,7 @@ from torch import Tensor, nn
 from heads.dflash import DFlashHead
 from heads.eagle import DraftCache, EagleHead, additive_mask
 from heads.medusa import MedusaHeads
+from heads.peagle import PEagleHead
 
 LK_LOSSES = ("lk_nla", "lk_hybrid")
 DISTILL = ("soft_ce", "forward_kl", *LK_LOSSES)  # eagle3_ttt_loss's `distill` (config: eagle.distill_loss)
@@ -31,7 +33,15 @@ def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
 
 def soft_cross_entropy(logits: Tensor, target_probs: Tensor, mask: Tensor) -> Tensor:
     """Masked mean of -sum_v p(v) log q(v); logits (..., V), target_probs (..., V), mask (...)."""
-    return masked_mean(-(target_probs * torch.log_softmax(logits.float(), dim=-1)).sum(-1), mask)
+    return masked_mean(position_losses(logits, target_probs, "soft_ce"), mask)
+
+
+def position_losses(logits: Tensor, target_probs: Tensor, distill: str, lk_eta: float = 3.0) -> Tensor:
+    """The loss of every position (...) under `distill`, before any mean: soft cross-entropy for "soft_ce"
+    and "forward_kl" (they differ in the probabilities given, `draft_target_probs`), else `lk_loss`'s."""
+    if distill in LK_LOSSES:
+        return _lk_positions(logits, target_probs, distill, lk_eta)
+    return -(target_probs * torch.log_softmax(logits.float(), dim=-1)).sum(-1)
 
 
 NLA_FLOOR = 1e-5  # lk_nla: -log max(alpha, floor), so a position the draft misses entirely stays finite
@@ -55,15 +65,20 @@ def lk_loss(logits: Tensor, target_probs: Tensor, mask: Tensor, kind: str, eta: 
     accepts often. KL is over the draft vocabulary's tokens, sum p log(p / q), which differs from the full
     divergence by terms the draft cannot change.
     """
+    return masked_mean(_lk_positions(logits, target_probs, kind, eta), mask)
+
+
+def _lk_positions(logits: Tensor, target_probs: Tensor, kind: str, eta: float) -> Tensor:
+    """`lk_loss` at every position (...), before the mean."""
     if kind not in LK_LOSSES:
         raise ValueError(f"kind must be 'lk_nla' or 'lk_hybrid', got {kind!r}")
     logq = torch.log_softmax(logits.float(), dim=-1)  # one pass: q for alpha, log q for KL
     alpha = torch.minimum(target_probs, logq.exp()).sum(-1)  # `acceptance`
     if kind == "lk_nla":
-        return masked_mean(-torch.log(alpha.clamp_min(NLA_FLOOR)), mask)
+        return -torch.log(alpha.clamp_min(NLA_FLOOR))
     kl = (torch.xlogy(target_probs, target_probs) - target_probs * logq).sum(-1)
     weight = torch.exp(-eta * alpha.detach())
-    return masked_mean(weight * kl + (1 - weight) * (1 - alpha), mask)
+    return weight * kl + (1 - weight) * (1 - alpha)
 
 
 def _top1(logits: Tensor, target_probs: Tensor, mask: Tensor) -> Tensor:
@@ -341,6 +356,179 @@ def dflash_loss(
         if draft_mass is not None:
             own = p if distill != "soft_ce" else p * draft_mass[:, :, j].unsqueeze(-1)
             metrics[f"alpha_slot{j + 1}"] = masked_mean(acceptance(q.detach(), own), m)
+    return total, metrics
+
+
+def peagle_chains(
+    loss_mask: Tensor,
+    depths: int,
+    *,
+    ratio: float = 0.7,
+    min_ratio: float = 0.2,
+    max_anchors: int = 256,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """P-EAGLE's chains (conditional-on-depth sampling, as speculators' `generate_cod_sample_indices`): the
+    draft rows trained at depths 2 .. K, as (anchor, depth) pairs in the loss's shifted frame (row t of the
+    depth-0 pass reads the target's feature at t and token t + 1 and scores token t + 2).
+
+    Depth d >= 1 (tree depth d + 1) keeps a fraction max(ratio**d, min_ratio) of a row's n scored depth-0
+    positions, drawn uniformly among the anchors kept at depth d - 1 whose depth-d token is one to learn, so
+    every kept row's chain is whole (its placeholders at depths 1 .. d - 1 are kept too). `max_anchors`
+    caps depth 1 and scales the others down with it.
+
+    Returns:
+        (anchors, depth, valid), each (B, N): the anchor a (the last committed position), the depth d (the
+        placeholder at position a + d, scoring token a + d + 2), and which entries are real (padding: a = 0,
+        d = 1, not valid). Sorted by anchor, then depth.
+    """
+    if depths < 2:
+        empty = torch.zeros(loss_mask.shape[0], 0, dtype=torch.long, device=loss_mask.device)
+        return empty, empty.clone(), empty.bool()
+    b, t = loss_mask.shape
+    learn = loss_mask.bool().cpu()
+    length = t - 1  # depth-0 rows
+    rows: list[tuple[Tensor, Tensor]] = []
+    for r in range(b):
+        scored = learn[r, 2:]  # depth-0 row t scores token t + 2
+        n = int(scored.sum())
+        scale = min(1.0, max_anchors / max(n * ratio, 1.0))
+        kept = torch.arange(length)
+        anchors, levels = [], []
+        for d in range(1, depths):
+            label = kept + d + 2  # the token the placeholder at a + d scores
+            candidates = kept[(label < t) & learn[r, label.clamp(max=t - 1)]]
+            size = min(candidates.numel(), math.ceil(n * max(ratio**d, min_ratio) * scale))
+            if size == 0:
+                break
+            pick = torch.randperm(candidates.numel(), generator=generator)[:size]
+            kept = candidates[pick].sort().values
+            anchors.append(kept)
+            levels.append(torch.full_like(kept, d))
+        if anchors:
+            a, d = torch.cat(anchors), torch.cat(levels)
+            order = torch.argsort(a * depths + d)
+            rows.append((a[order], d[order]))
+        else:
+            rows.append((torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)))
+    width = max(a.numel() for a, _ in rows)
+    anchor = torch.zeros(b, width, dtype=torch.long)
+    depth = torch.ones(b, width, dtype=torch.long)
+    valid = torch.zeros(b, width, dtype=torch.bool)
+    for r, (a, d) in enumerate(rows):
+        anchor[r, : a.numel()], depth[r, : a.numel()], valid[r, : a.numel()] = a, d, True
+    device = loss_mask.device
+    return anchor.to(device), depth.to(device), valid.to(device)
+
+
+def peagle_hidden(
+    head: PEagleHead,
+    target_features: Tensor,
+    input_ids: Tensor,
+    anchors: Tensor,
+    depth: Tensor,
+    valid: Tensor,
+    embed: nn.Module,
+) -> Tensor:
+    """The head's outputs of the depth-0 pass and of every chain's placeholders in one forward, as decoding
+    computes them (`decode.drafters.peagle`): depth-0 row t (target feature t, token t + 1, position t) sees
+    rows <= t; the placeholder (a, d) at position a + d sees depth-0 rows <= a and its chain's placeholders
+    of depths <= d.
+
+    Args:
+        head: the P-EAGLE head.
+        target_features: (B, T, taps * Ht); input_ids: (B, T).
+        anchors, depth, valid: (B, N) from `peagle_chains`.
+        embed: the target's frozen embedding.
+    Returns:
+        (B, T - 1 + N, H): the T - 1 depth-0 outputs, then the N placeholders'.
+    """
+    b, t = input_ids.shape
+    length, n = t - 1, anchors.shape[1]
+    device = input_ids.device
+    features = head.project_features(target_features[:, :-1])
+    dtype = features.dtype
+    mask_feature, mask_embed = head.placeholders(b, n, dtype)
+    hidden = torch.cat([features, mask_feature], dim=1)
+    embeds = torch.cat([embed(input_ids[:, 1:]).to(dtype), mask_embed], dim=1)
+    rows = torch.arange(length, device=device)
+    positions = torch.cat([rows.expand(b, -1), anchors + depth], dim=1)
+    top = torch.cat(
+        [
+            (rows[:, None] >= rows[None, :]).expand(b, -1, -1),
+            torch.zeros(b, length, n, dtype=torch.bool, device=device),
+        ],
+        dim=-1,
+    )
+    sees_rows = (rows[None, None, :] <= anchors[:, :, None]) & valid[:, :, None]
+    same_chain = (anchors[:, :, None] == anchors[:, None, :]) & (depth[:, None, :] <= depth[:, :, None])
+    sees_chain = same_chain & valid[:, :, None] & valid[:, None, :]
+    sees_chain |= torch.eye(n, dtype=torch.bool, device=device)  # padding sees itself only
+    allowed = torch.cat([top, torch.cat([sees_rows, sees_chain], dim=-1)], dim=1)
+    return head(hidden, embeds, positions, attention_mask=additive_mask(allowed, dtype)[:, None])
+
+
+def peagle_loss(
+    head: PEagleHead,
+    target_features: Tensor,
+    input_ids: Tensor,
+    target_logits: Tensor,
+    loss_mask: Tensor,
+    embed: nn.Module,
+    *,
+    ratio: float = 0.7,
+    min_ratio: float = 0.2,
+    max_anchors: int = 256,
+    distill: str = "soft_ce",
+    lk_eta: float = 3.0,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """P-EAGLE's training loss (arXiv 2602.01469; speculators' and SpecForge's recipe): the depth-0 pass over
+    every position plus the placeholders of chains sampled by `peagle_chains`, all in one forward
+    (`peagle_hidden`); every scored row, whatever its depth, counts once in one mean (no depth weights),
+    against the target's distribution of its token given the true prefix. `distill` picks the divergence as
+    for EAGLE-3 (`draft_target_probs`).
+
+    Args:
+        head, target_features, input_ids, loss_mask, embed: as `peagle_hidden`; target_logits (B, T, V | Vd
+            | Vd + 1) as `eagle3_ttt_loss` takes them.
+        ratio, min_ratio, max_anchors, generator: `peagle_chains`.
+        distill, lk_eta: the divergence and lk_hybrid's eta.
+    Returns:
+        (loss, metrics) with `loss_slot{k}`, `top1_slot{k}` and, when the target's mass inside the draft
+        vocabulary is known, `alpha_slot{k}` per tree depth k = 1 .. K (slot 1 is the depth-0 pass).
+    """
+    b, t = input_ids.shape
+    length, k = t - 1, head.parallel_depths
+    anchors, depth, valid = peagle_chains(
+        loss_mask, k, ratio=ratio, min_ratio=min_ratio, max_anchors=max_anchors, generator=generator
+    )
+    hidden = peagle_hidden(head, target_features, input_ids, anchors, depth, valid, embed)
+    logits = head.logits(hidden, None)  # (B, L + N, Vd)
+    scored = torch.cat([torch.arange(length, device=input_ids.device).expand(b, -1), anchors + depth], 1)
+    scored = scored.clamp(max=length - 1)  # row scores token scored + 2, the target's logits at scored + 1
+    width = target_logits.shape[-1]
+    scores = target_logits[:, 1:].gather(1, scored[:, :, None].expand(-1, -1, width))
+    target_probs, draft_mass = draft_target_probs(head, scores, distill)
+    label = torch.cat([torch.arange(length, device=input_ids.device).expand(b, -1), anchors + depth], 1) + 2
+    learn = loss_mask.bool().gather(1, label.clamp(max=t - 1)) & (label < t)
+    levels = torch.cat([torch.zeros_like(scored[:, :length]), depth], dim=1)
+    mask = learn & torch.cat([torch.ones_like(learn[:, :length]), valid], dim=1)
+    losses = position_losses(logits, target_probs, distill, lk_eta)
+    total = masked_mean(losses, mask)
+    metrics: dict[str, Tensor] = {}
+    detached = logits.detach()
+    own = None
+    if draft_mass is not None:
+        own = target_probs if distill != "soft_ce" else target_probs * draft_mass.unsqueeze(-1)
+        alphas = acceptance(detached, own)
+    hits = (detached.argmax(-1) == target_probs.argmax(-1)).float()
+    for d in range(k):
+        at = mask & (levels == d)
+        metrics[f"loss_slot{d + 1}"] = masked_mean(losses.detach(), at)
+        metrics[f"top1_slot{d + 1}"] = masked_mean(hits, at)
+        if own is not None:
+            metrics[f"alpha_slot{d + 1}"] = masked_mean(alphas, at)
     return total, metrics
 
 

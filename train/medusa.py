@@ -36,7 +36,7 @@ from train.distributed import (
     whole_on_every_rank,
     whole_parameters,
 )
-from train.evaluate import simulated_tau
+from train.evaluate import check_tau_target, simulated_tau
 from train.loader import load_datasets, load_frozen_target
 from train.loop import prepare_run, train_loop
 from train.losses import masked_mean, medusa_loss_from_hidden
@@ -104,6 +104,7 @@ def frozen_or_lora_target(cfg: MedusaRunConfig, accelerator) -> tuple[nn.Module,
     adapters for Medusa-2 (then it is part of the trained module, which ZeRO-3 and FSDP2 may shard)."""
     joint = cfg.medusa.lora_r > 0
     target, tokenizer = load_frozen_target(cfg.model, accelerator, whole=not joint)
+    check_tau_target(target, cfg.train.eval_tau_prompts)
     if joint:
         from peft import get_peft_model
 

@@ -27,7 +27,7 @@ class DFlashDrafter(Drafter):
         self.head, self.embed, self.lm_head = head, target.get_input_embeddings(), draft_lm_head(head, target)
         self.feature_layers, self.dtype = head.feature_layers, float_dtype(head)
         device = next(head.parameters()).device
-        self.block = head.block_size
+        self.block = head.block_size  # the root and draft_depths drafts
         self.keys: list[Tensor] = []  # per layer (B, kv_heads, L, D)
         self.values: list[Tensor] = []
         self.valid = torch.zeros(batch, 0, dtype=torch.bool, device=device)  # committed columns per row

@@ -12,6 +12,7 @@ import torch
 from decode.layout import can_onednn
 from heads import EagleConfig, EagleHead, MedusaConfig, MedusaHeads, save_heads
 from heads.dflash import DFlashConfig, DFlashHead
+from heads.peagle import PEagleConfig, PEagleHead
 from targets import load_target
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench.py"
@@ -42,6 +43,10 @@ def head_dirs(tiny_target_dir, tmp_path_factory):
     dflash = DFlashHead(DFlashConfig.from_target(model.config, 7, num_hidden_layers=1, draft_vocab_size=512))
     dflash.set_draft_vocab(torch.arange(512))
     save_heads(dflash.eval(), root / "dflash", base_model=str(tiny_target_dir))
+    config = PEagleConfig.from_target(model.config, mask_token_id=7, parallel_depths=3, draft_vocab_size=512)
+    peagle = PEagleHead(config)
+    peagle.set_draft_vocab(torch.arange(512))
+    save_heads(peagle.eval(), root / "peagle", base_model=str(tiny_target_dir))
     return root
 
 
@@ -94,6 +99,8 @@ def test_bench_runs_every_method_and_writes_reports(tmp_path, tiny_target_dir, h
             "1",
             "--dflash",
             str(head_dirs / "dflash"),
+            "--peagle",
+            str(head_dirs / "peagle"),
             "--dflash-budget",
             "4",
             "--out",
@@ -115,7 +122,8 @@ def test_bench_runs_every_method_and_writes_reports(tmp_path, tiny_target_dir, h
     else:
         assert results["pretransposed"] and "Linear weights pretransposed" in printed
     # the default
-    assert results["int8_draft"] == (["dflash", "eagle1", "eagle3", "medusa1", "medusa2"] if X86_INT8 else [])
+    int8 = ["dflash", "eagle1", "eagle3", "medusa1", "medusa2", "peagle"]
+    assert results["int8_draft"] == (int8 if X86_INT8 else [])
     methods = {r["method"] for r in results["rows"]}
     assert {
         "prompt lookup",
@@ -131,15 +139,21 @@ def test_bench_runs_every_method_and_writes_reports(tmp_path, tiny_target_dir, h
         "DFlash chain 7",  # the whole block: what vLLM's dflash method drafts
         "DFlash best-first 4",
         "DFlash sized",
+        "P-EAGLE chain 3",  # every depth of one forward: what vLLM's parallel drafting drafts
+        "P-EAGLE best-first 4",
+        "P-EAGLE sized",
     } <= methods
     sized = next(r for r in results["rows"] if r["method"] == "DFlash sized")
     assert sized["tree"].startswith("cost model: best-first(budget=")
-    budgets = results["best_first_sizing"]
-    assert [b["predicted_speedup"] for b in budgets] == sorted(
-        (b["predicted_speedup"] for b in budgets), reverse=True
-    )
-    assert sized["tree"] == f"cost model: best-first(budget={budgets[0]['budget']})"
-    assert "Cost-model budget of the DFlash best-first tree" in printed
+    assert sorted(results["best_first_sizing"]) == ["dflash", "peagle"]
+    for name, label in (("dflash", "DFlash"), ("peagle", "P-EAGLE")):
+        budgets = results["best_first_sizing"][name]
+        assert [b["predicted_speedup"] for b in budgets] == sorted(
+            (b["predicted_speedup"] for b in budgets), reverse=True
+        )
+        sized = next(r for r in results["rows"] if r["method"] == f"{label} sized")
+        assert sized["tree"] == f"cost model: best-first(budget={budgets[0]['budget']})"
+        assert f"Cost-model budget of the {label} best-first tree" in printed
     wide = next(r for r in results["rows"] if r["method"] == "Medusa-1 6 nodes")
     assert wide["tree"].startswith("measured acceptance: static, ") and wide["draft_nodes_per_step"] <= 6
     extra = next(r for r in results["rows"] if r["method"] == "EAGLE-3 dynamic 3/2/5")

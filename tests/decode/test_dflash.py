@@ -63,12 +63,17 @@ def test_training_scores_each_block_as_decoding_does(tiny_target, vocab):
 
 def test_a_batch_equals_each_row_alone_through_uneven_advances_and_leaving_rows(build_target):
     target = build_target("qwen2")
-    head = _head(target, block=4)
+    assert_batch_equals_rows(DFlashDrafter, _head(target, block=4), target)
+
+
+def assert_batch_equals_rows(drafter_class, head, target) -> None:
+    """A block drafter for 3 rows drafts what 3 one-row drafters do, through uneven advances and a row
+    leaving the batch (its `_logits` hold every depth's distribution)."""
     torch.manual_seed(2)
     ids = torch.randint(0, target.config.vocab_size, (3, 40))
     features, _ = _taps(target, head, ids)
-    batch = DFlashDrafter(head, target, 3)
-    alone = [DFlashDrafter(head, target, 1) for _ in range(3)]
+    batch = drafter_class(head, target, 3)
+    alone = [drafter_class(head, target, 1) for _ in range(3)]
     done = [0, 0, 0]
     rows = [0, 1, 2]
     for step, sizes in enumerate([(5, 9, 2), (1, 3, 4), (2, 1, 1), (4, 2, 3), (3, 3, 3)]):
@@ -81,6 +86,8 @@ def test_a_batch_equals_each_row_alone_through_uneven_advances_and_leaving_rows(
         batch.advance(feats, toks)
         for i, r in enumerate(rows):
             torch.testing.assert_close(batch._logits[i], alone[r]._logits[0], atol=2e-5, rtol=1e-4)
+        if hasattr(batch, "cache"):  # a drafter whose proposals add nothing to its cache: none left there
+            assert batch.cache.keys.shape[2] == batch.valid.shape[1]
         if step == 2:  # row 1 finishes
             rows = [0, 2]
             batch.select([0, 2])

@@ -21,6 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 from decode import BestFirstTree, DynamicTree, generate
 from heads.eagle import EagleConfig, EagleHead
 from heads.medusa import MedusaConfig, MedusaHeads
+from heads.peagle import PEagleConfig, PEagleHead
 
 ROUND_TRIP_OPS = ("aten::_local_scalar_dense", "aten::nonzero", "aten::lift_fresh")
 BOUND = 1  # round trips per step: the one read of the accepted path and the tokens it emits
@@ -70,6 +71,13 @@ def _always_accepting(build_target, layers: int, kind: str) -> tuple[nn.Module, 
         heads.lm_heads = nn.ModuleList(
             _constant_logits(target.config.hidden_size, target.config.vocab_size) for _ in range(8)
         )
+    elif kind == "peagle":  # every depth from one forward (a block drafter), 8 of them
+        config = PEagleConfig.from_target(
+            target.config, mask_token_id=5, parallel_depths=8, draft_vocab_size=64
+        )
+        heads = PEagleHead(config)
+        heads.set_draft_vocab(torch.arange(64))
+        heads.lm_head = _constant_logits(heads.config.hidden_size, 64)
     else:
         heads = EagleHead(EagleConfig.from_target(target.config, "eagle3", draft_vocab_size=64))
         heads.set_draft_vocab(torch.arange(64))
@@ -91,8 +99,11 @@ def _per_step(model: nn.Module, heads: nn.Module | None, tree, temperature: floa
     return (long - short) / (long_steps - short_steps), tau
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampling"])
-@pytest.mark.parametrize("kind", ["eagle3", "medusa"])
+@pytest.mark.parametrize(
+    "kind, temperature",
+    [("eagle3", 0.0), ("eagle3", 1.0), ("medusa", 0.0), ("medusa", 1.0), ("peagle", 0.0)],
+    ids=["eagle3-greedy", "eagle3-sampling", "medusa-greedy", "medusa-sampling", "peagle-greedy"],
+)
 def test_round_trips_per_step_do_not_grow_with_tree_or_layers(build_target, kind, temperature):
     counts = {}
     for layers in (2, 6):

@@ -18,6 +18,7 @@ from decode import BestFirstTree, DynamicTree, generate
 from decode.accept import target_probs
 from heads import EagleConfig, EagleHead, MedusaConfig, MedusaHeads
 from heads.dflash import DFlashConfig, DFlashHead
+from heads.peagle import PEagleConfig, PEagleHead
 
 VOCAB, RUNS, NEW = 8, 16, 120
 PROMPT = torch.tensor([[1, 4, 2]])
@@ -121,7 +122,13 @@ def fit_pvalue(model, heads, tree, seed_base, sampling=None, min_tau=None, batch
         )
     if min_tau is not None:  # a test where drafts are never accepted would check nothing
         assert tau >= min_tau, f"drafts were rarely accepted (tau {tau:.2f}); the test would be vacuous"
-    observed, expected = np.zeros((VOCAB, VOCAB)), np.zeros((VOCAB, VOCAB))
+    return bigram_pvalue(previous, tokens, probs, VOCAB)
+
+
+def bigram_pvalue(previous: np.ndarray, tokens: np.ndarray, probs: np.ndarray, vocab: int) -> float:
+    """Pearson chi-square p-value of the emitted (previous token, token) counts against the summed exact
+    target probabilities `probs` (n, vocab) of each emitted position, grouped by the previous token."""
+    observed, expected = np.zeros((vocab, vocab)), np.zeros((vocab, vocab))
     np.add.at(observed, (previous, tokens), 1)
     np.add.at(expected, previous, probs)
     big = expected >= 5  # pool sparse cells so the chi-square approximation holds
@@ -146,6 +153,13 @@ def make_heads(model, kind, std=2.0):
         head.set_draft_vocab(torch.tensor([0, 2, 3, 5]))
         torch.nn.init.normal_(head.lm_head.weight, std=std)
         return head
+    if kind == "peagle":  # EAGLE-3's layer drafting 3 depths in one forward, its own 4 of the 8 tokens
+        head = PEagleHead(
+            PEagleConfig.from_target(model.config, mask_token_id=7, parallel_depths=3, draft_vocab_size=4)
+        )
+        head.set_draft_vocab(torch.tensor([0, 2, 3, 5]))
+        torch.nn.init.normal_(head.lm_head.weight, std=std)
+        return head
     head = EagleHead(
         EagleConfig.from_target(model.config, kind, **({"draft_vocab_size": 4} if kind == "eagle3" else {}))
     )
@@ -161,11 +175,14 @@ CASES = [
     ("eagle3", [(0,), (1,), (0, 0), (0, 1), (1, 0)], {"temperature": 1.0}),
     ("eagle1", [(0,), (1,), (0, 0), (0, 0, 0)], {"temperature": 0.7, "top_k": 4, "top_p": 0.9}),
     ("dflash", [(0,), (1,), (2,), (0, 0), (1, 0), (0, 1), (0, 0, 0)], {"temperature": 1.0}),
+    ("peagle", [(0,), (1,), (0, 0), (1, 0), (0, 0, 0)], {"temperature": 1.0}),
 ]
 
 
 @pytest.mark.parametrize(
-    "kind,tree,sampling", CASES, ids=["medusa", "eagle1-dynamic", "eagle3", "eagle1-topk-topp", "dflash"]
+    "kind,tree,sampling",
+    CASES,
+    ids=["medusa", "eagle1-dynamic", "eagle3", "eagle1-topk-topp", "dflash", "peagle"],
 )
 def test_speculative_sampling_matches_target_distribution(target, kind, tree, sampling):
     pvalue = fit_pvalue(
@@ -414,8 +431,9 @@ def test_typical_acceptance_fails_the_joint_test(target):
         ("medusa", {"temperature": 1.0}),
         ("dflash", {"temperature": 0.7, "top_k": 5}),
         ("dflash", {"temperature": 1.0}),
+        ("peagle", {"temperature": 1.0}),
     ],
-    ids=["medusa", "dflash-topk", "dflash"],
+    ids=["medusa", "dflash-topk", "dflash", "peagle"],
 )
 def test_best_first_trees_sample_the_target_distribution(target, kind, sampling, batched):
     """DDTree's chosen (not drawn) children: acceptance draws from the target and descends while the draw is

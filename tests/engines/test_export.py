@@ -15,6 +15,7 @@ from heads.dflash import DFlashConfig, DFlashHead
 from heads.eagle import EagleConfig, EagleHead
 from heads.io import save_heads
 from heads.medusa import MedusaConfig, MedusaHeads
+from heads.peagle import PEagleConfig, PEagleHead
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "export.py"
 PROMPT = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(1))
@@ -28,6 +29,7 @@ CASES = [
     ("eagle3.1", "speculators"),  # EAGLE-3.1 norms: norm_before_fc's weight and both flags round-trip
     ("dflash", "dflash"),  # its own lm_head over 64 tokens, d2t and t2d
     ("dflash_shared", "dflash"),  # the target's lm_head: no lm_head, d2t or t2d shipped
+    ("peagle", "peagle"),  # mask_hidden, and the mask embedding as a row of the shipped embed_tokens
 ]
 EXPECTED_FILES = {
     "sglang": ["config.json", "model.safetensors"],
@@ -36,6 +38,7 @@ EXPECTED_FILES = {
     "medusa": ["config.json", "medusa_lm_head.safetensors"],
     "medusa-vllm": ["config.json", "model.safetensors"],
     "dflash": ["config.json", "model.safetensors"],
+    "peagle": ["config.json", "model.safetensors"],
 }
 
 
@@ -64,6 +67,10 @@ def make_head(kind: str, target, **overrides):
         )
         if vocab:
             head.set_draft_vocab(torch.randperm(target.config.vocab_size)[:64])
+    elif kind == "peagle":
+        config = PEagleConfig.from_target(target.config, mask_token_id=9, draft_vocab_size=64, **overrides)
+        head = PEagleHead(config)
+        head.set_draft_vocab(torch.randperm(target.config.vocab_size)[:64])
     else:
         head_type = kind.removesuffix("_bias").removesuffix(".1")
         extra = {"draft_vocab_size": 64} if head_type == "eagle3" else {}
@@ -399,3 +406,49 @@ def test_dflash_export_is_what_vllms_dflash_reads_and_its_validator_lists_each_p
         "missing tensors ['layers.0.self_attn.q_norm.weight']",
     ):
         assert problem in message, message
+
+
+def test_peagle_export_is_what_vllms_parallel_drafting_reads_and_its_validator_lists_each_problem(
+    tmp_path, llama
+):
+    """speculators' P-EAGLE layout: model type and algorithm `peagle`, `mask_token_id` (vLLM's placeholder
+    token), the drafts per step = the trained depths, `mask_hidden` in speculators' (1, 1, taps x Ht) shape,
+    and the trained mask embedding as the mask token's row of the shipped embed_tokens (every other row the
+    target's)."""
+    head = make_head("peagle", llama)
+    export_head(head, "peagle", tmp_path / "out", target=llama, verifier_name="org/tiny-llama")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (config["speculators_model_type"], config["speculators_config"]["algorithm"]) == ("peagle",) * 2
+    assert config["architectures"] == ["PEagleSpeculator"] and config["mask_token_id"] == 9
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4
+    assert config["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in head.config.aux_layer_ids]
+    state = load_file(tmp_path / "out" / "model.safetensors")
+    assert torch.equal(state["mask_hidden"], head.mask_hidden.detach().reshape(1, 1, -1))
+    embed = llama.get_input_embeddings().weight
+    assert torch.equal(state["embed_tokens.weight"][9], head.mask_embedding.detach())
+    others = torch.arange(embed.shape[0]) != 9
+    assert torch.equal(state["embed_tokens.weight"][others], embed[others])
+    assert "mask_embedding" not in state
+
+    def damage(config):
+        config["mask_token_id"] = 128
+        config["speculators_config"]["algorithm"] = "eagle3"
+
+    _edit_config(tmp_path / "out", damage)
+    _edit_weights(tmp_path / "out", lambda state: state.pop("mask_hidden"))
+    with pytest.raises(ValueError) as raised:
+        validate_export(tmp_path / "out", "peagle")
+    message = str(raised.value)
+    for problem in (
+        "mask_token_id must be a token id in [0, 128), got 128",
+        "speculators_config needs algorithm 'peagle'",
+        "missing tensors ['mask_hidden']",
+    ):
+        assert problem in message, message
+
+
+def test_a_peagle_head_with_a_normed_output_is_refused(tmp_path, llama):
+    """vLLM's P-EAGLE config adapter passes no norm_output: the head would draft differently there."""
+    head = make_head("peagle", llama, norm_output=True)
+    with pytest.raises(ValueError, match="passes no norm_output"):
+        export_head(head, "peagle", tmp_path / "out", target=llama)

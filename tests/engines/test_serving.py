@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engines.serving import PER_POSITION, server_command, spec_metrics, vllm_export
+from engines.serving import PER_POSITION, server_command, spec_metrics, vllm_drafting, vllm_export
 from heads.io import save_heads
 from tests.engines.test_export import make_head
 
@@ -56,8 +56,17 @@ def test_vllm_export_per_head_type():
     assert vllm_export("eagle3") == ("speculators", "eagle3")
     assert vllm_export("eagle1") == ("eagle1", "eagle")
     assert vllm_export("medusa") == ("medusa-vllm", "medusa")
+    assert vllm_export("dflash") == ("dflash", "dflash")
+    assert vllm_export("peagle") == ("peagle", "eagle3")
     with pytest.raises(ValueError, match="vLLM serves .* not 'lookahead'"):
         vllm_export("lookahead")
+
+
+def test_drafts_per_step_and_parallel_drafting_per_head_type():
+    """A block drafter drafts what it was trained for; P-EAGLE only in one forward with parallel_drafting."""
+    assert vllm_drafting("eagle3", {}) == (3, {})
+    assert vllm_drafting("dflash", {"block_size": 16}) == (15, {})
+    assert vllm_drafting("peagle", {"parallel_depths": 6}) == (6, {"parallel_drafting": True})
 
 
 def test_server_command_drafts_with_the_export_in_fp32_on_localhost():
@@ -106,3 +115,7 @@ def test_serve_vllm_dry_run_exports_the_head_and_prints_the_command(
     save_heads(make_head("medusa", target), tmp_path / "medusa", base_model="org/tiny-llama", target=target)
     main([str(tmp_path / "medusa"), "--target", str(tiny_target_dir), "--vllm-python", "py", "--dry-run"])
     assert '"method": "medusa"' in capsys.readouterr().out
+    save_heads(make_head("peagle", target), tmp_path / "peagle", base_model="org/tiny-llama", target=target)
+    main([str(tmp_path / "peagle"), "--target", str(tiny_target_dir), "--vllm-python", "py", "--dry-run"])
+    printed = capsys.readouterr().out
+    assert '"method": "eagle3", "num_speculative_tokens": 4, "parallel_drafting": true' in printed

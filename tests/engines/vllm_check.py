@@ -5,7 +5,7 @@ folder and vLLM's method name) or without one (draft null), and writes, per job,
 vLLM's speculative-decoding counters, or the error that stopped the job (e.g. an export vLLM refuses).
 Usage: python vllm_check.py TARGET_DIR JOBS.json OUT.json
 JOBS.json: {"prompts": [[ids...], ...], "max_tokens": N,
-            "jobs": [{"name", "draft", "method"[, "num_speculative_tokens"]}, ...]}
+            "jobs": [{"name", "draft", "method"[, "num_speculative_tokens", "speculative_config"]}, ...]}
 (num_speculative_tokens: 3 unless a job says; a DFlash export drafts its block less the root)
 
 The jobs share this one process: vLLM is imported once, and its engine core runs in this process
@@ -39,6 +39,7 @@ def run_job(target: str, job: dict, prompts: list, max_tokens: int) -> dict:
             "model": job["draft"],
             "method": job["method"],
             "num_speculative_tokens": job.get("num_speculative_tokens", 3),
+            **job.get("speculative_config", {}),  # more keys, e.g. P-EAGLE's parallel_drafting
         }
     llm = LLM(**kwargs)
     try:

@@ -15,8 +15,9 @@ from heads.dflash import DFlashConfig, DFlashHead
 from heads.eagle import EagleConfig, EagleHead
 from heads.io import CONFIG_NAME, FORMAT_VERSION, WEIGHTS_NAME, load_heads, save_heads
 from heads.medusa import MedusaConfig, MedusaHeads
+from heads.peagle import PEagleConfig, PEagleHead
 
-HEAD_TYPES = ["medusa", "eagle1", "eagle3", "dflash"]
+HEAD_TYPES = ["medusa", "eagle1", "eagle3", "dflash", "peagle"]
 
 
 def _head(kind: str, target_config):
@@ -38,6 +39,11 @@ def _head(kind: str, target_config):
             DFlashConfig.from_target(target_config, 5, num_hidden_layers=2, draft_vocab_size=64)
         )
         head.set_draft_vocab(torch.randperm(target_config.vocab_size)[:64])
+        return head
+    if kind == "peagle":
+        head = PEagleHead(PEagleConfig.from_target(target_config, mask_token_id=9, draft_vocab_size=64))
+        head.set_draft_vocab(torch.randperm(target_config.vocab_size)[:64])
+        torch.nn.init.normal_(head.mask_embedding)  # non-zero, so a round trip that drops it would show
         return head
     head = EagleHead(
         EagleConfig.from_target(target_config, kind, **({"draft_vocab_size": 64} if kind == "eagle3" else {}))
@@ -92,7 +98,7 @@ def test_round_trip_is_exact(tmp_path, llama, kind):
         assert torch.equal(actual[key], tensor), key
     halves = load_heads(path, llama, dtype=torch.bfloat16)
     assert (halves.lm_heads[0] if kind == "medusa" else halves.fc).weight.dtype == torch.bfloat16
-    if kind in ("eagle3", "dflash"):  # the maps keep their integer / bool dtypes
+    if kind in ("eagle3", "dflash", "peagle"):  # the maps keep their integer / bool dtypes
         assert halves.d2t.dtype == torch.int64 and halves.t2d.dtype == torch.bool
         assert torch.equal(loaded.to_target_ids(torch.arange(64)), head.to_target_ids(torch.arange(64)))
 
@@ -113,6 +119,9 @@ def test_config_records_provenance(tmp_path, llama, kind):
         assert "output of decoder layer" in config["aux_layer_ids_convention"]
     if kind == "medusa":
         assert (config["head_config"]["num_heads"], config["head_config"]["num_layers"]) == (2, 2)
+    if kind == "peagle":
+        head_config = config["head_config"]
+        assert (head_config["parallel_depths"], head_config["mask_token_id"]) == (4, 9)
     if kind == "dflash":  # two layers, two taps spread over the 4 target layers
         assert (config["head_config"]["aux_layer_ids"], config["head_config"]["mask_token_id"]) == ([0, 3], 5)
         assert "output of decoder layer" in config["aux_layer_ids_convention"]
@@ -217,7 +226,9 @@ CONFIG_EDITS = {  # edit: what the message says besides naming config.json
     "size as a string": r"head_config.hidden_size: expected int, got '32' \(str\)",
     "unknown field": r"unknown key head_config.num_hedas",
     "float count": r"head_config.num_(heads|attention_heads): expected int, got 4.0 \(float\)",
-    "other head type": r"head_type 'eagle\d' but head_config.head_type 'eagle\d'|unknown key head_config",
+    "other head type": (
+        r"head_type 'eagle\d' but head_config.head_type '(eagle\d|peagle)'|unknown key head_config"
+    ),
 }
 
 

@@ -43,19 +43,23 @@ def test_formats_and_vllm_methods_come_from_the_kinds():
         "speculators": "eagle3",
         "eagle1": "eagle1",
         "medusa": "medusa",
-    } | {"medusa-vllm": "medusa", "dflash": "dflash"}
+    } | {"medusa-vllm": "medusa", "dflash": "dflash", "peagle": "peagle"}
     assert VLLM_EXPORT == {
         "eagle3": ("speculators", "eagle3"),
         "eagle1": ("eagle1", "eagle"),
         "medusa": ("medusa-vllm", "medusa"),
         "dflash": ("dflash", "dflash"),
+        "peagle": ("peagle", "eagle3"),
     }
 
 
 def test_lookups_name_what_is_registered():
     with pytest.raises(
         ValueError,
-        match=r"unknown head_type 'hydra'; expected one of \('eagle3', 'eagle1', 'medusa', 'dflash'\)",
+        match=(
+            r"unknown head_type 'hydra'; expected one of "
+            r"\('eagle3', 'eagle1', 'medusa', 'dflash', 'peagle'\)"
+        ),
     ):
         registry.kind_for_head_type("hydra")
     with pytest.raises(

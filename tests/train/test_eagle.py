@@ -43,8 +43,18 @@ FAST = ["train.eval_tau_prompts=0", "eagle.draft_vocab_size=256"]  # cheap steps
                 "eagle.distill_loss=lk_nla",
             ],
         ),
+        (
+            "peagle",
+            [
+                "eagle.aux_layer_ids=[0,2,3]",
+                "eagle.draft_vocab_size=512",
+                "eagle.parallel_depths=3",
+                "eagle.norm_before_fc=true",
+                "eagle.distill_loss=lk_hybrid",
+            ],
+        ),
     ],
-    ids=["eagle3", "eagle3.1", "eagle1", "eagle3-lk_hybrid", "dflash-lk_nla"],
+    ids=["eagle3", "eagle3.1", "eagle1", "eagle3-lk_hybrid", "dflash-lk_nla", "peagle-lk_hybrid"],
 )
 def test_smoke_export_round_trips_and_decodes_losslessly(
     head_type, extra, tmp_path, overrides, run_recipe, tiny_target_dir, ckpt
@@ -67,6 +77,11 @@ def test_smoke_export_round_trips_and_decodes_losslessly(
         head_config = config["head_config"]
         assert (head_config["num_hidden_layers"], head_config["block_size"]) == (2, 4)
         assert (head_config["aux_layer_ids"], head_config["draft_vocab_size"]) == ([0, 3], 512)
+        assert 0 <= head_config["mask_token_id"] < 49152
+    elif head_type == "peagle":  # EAGLE-3's head with 3.1's norm before fc, 3 depths per forward
+        head_config = config["head_config"]
+        assert (head_config["parallel_depths"], head_config["draft_vocab_size"]) == (3, 512)
+        assert (head_config["norm_before_fc"], head_config["aux_layer_ids"]) == (True, [0, 2, 3])
         assert 0 <= head_config["mask_token_id"] < 49152
     else:
         assert (config["head_config"]["norm_before_fc"], config["head_config"]["norm_output"]) == (
