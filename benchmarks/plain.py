@@ -11,13 +11,13 @@ import time
 
 import torch
 import transformers
-from transformers import DynamicCache
 
 from benchmarks.report import markdown
 from decode import generate
+from decode.inputs import attention_windows
 from decode.timing import synchronize
 from decode.tree import DraftTree
-from decode.verify import verify
+from decode.verify import target_cache, verify
 
 PROMPTS = [  # short, generic, and long-winded enough that greedy answers run past 64 tokens
     "Give me three tips for staying focused while studying.",
@@ -169,7 +169,7 @@ def bench_verify(model, tokenizer, repeats: int) -> list[dict]:
     vocab_size = model.config.vocab_size
     context = torch.cat([prompt_ids(tokenizer, i % len(PROMPTS), vocab_size) for i in range(12)], dim=1)
     context = context[:, :CONTEXT_LENGTH]
-    cache = DynamicCache(config=model.config)
+    cache, windows = target_cache(), attention_windows(model)
     model(input_ids=context, cache=cache, use_cache=True, logits_to_keep=1)
     past = context.shape[1]
     generator = torch.Generator().manual_seed(0)
@@ -182,7 +182,7 @@ def bench_verify(model, tokenizer, repeats: int) -> list[dict]:
         for n in VERIFY_SIZES:
             synchronize(model.device)
             start = time.perf_counter()
-            logits, _ = verify(model, cache, trees[n], past)
+            logits, _ = verify(model, cache, trees[n], past, windows=windows)
             synchronize(model.device)
             elapsed = time.perf_counter() - start
             cache.crop(-n)  # transformers 5.x crop takes the (negative) number of positions to drop

@@ -7,6 +7,9 @@ row's committed length (`lengths`), not from the column, so a row's holes cost n
 step, `commit` moves each row's accepted tree entries right behind that row's last committed column and cuts
 the columns no row uses any more: the cache grows by the longest accepted path, not by the tree size.
 
+Sliding-window layers keep every column as the others do: the window is applied in the masks, by each row's
+positions (`decode.verify.attention_masks`), since holes and trees make a column's index no position.
+
 A batch whose every column is valid (`BatchState.full`: one row without padding) takes the shorter paths a
 single sequence allows: no mask over the prompt's prefill or a plain step, and a tree's accepted path kept by
 a crop or one index per layer (`decode.verify.compact_cache`) instead of a per-row gather and scatter.
@@ -21,8 +24,8 @@ import torch
 from torch import Tensor, nn
 from transformers import DynamicCache
 
-from decode.inputs import check_attention_mask
-from decode.verify import compact_cache, tree_attention_mask
+from decode.inputs import attention_windows, check_attention_mask
+from decode.verify import attention_masks, compact_cache, target_cache, tree_attention_mask
 from heads.eagle import additive_mask
 from heads.features import FeatureCapture
 
@@ -39,6 +42,7 @@ class BatchState:
         default_factory=list
     )  # `ends` on the host: laying out the cache reads nothing
     full: bool = False  # every column of the (single) row is valid: the shorter paths (module docstring)
+    windows: dict[str, int | None] = field(default_factory=dict)  # layer type -> sliding window or None
 
     def __post_init__(self) -> None:
         if not self.host_ends:
@@ -79,9 +83,14 @@ def left_padded(rows: list[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch
 
 @torch.no_grad()
 def prefill(
-    model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, capture: FeatureCapture | None = None
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor | None,
+    capture: FeatureCapture | None = None,
+    windows: dict[str, int | None] | None = None,
 ) -> tuple[BatchState, Tensor, Tensor | None]:
-    """Run the left-padded prompts (B, T) through the target (`attention_mask` None: no padding).
+    """Run the left-padded prompts (B, T) through the target (`attention_mask` None: no padding). `windows`:
+    the target's `decode.inputs.attention_windows`, when the caller has them (read here otherwise).
 
     Returns:
         the batch state, the logits after each prompt's last token (B, V), and the captured features
@@ -92,17 +101,14 @@ def prefill(
         attention_mask = torch.ones_like(input_ids)
     mask = check_attention_mask(attention_mask, tuple(input_ids.shape)).to(model.device)
     lengths = mask.sum(-1)
-    # a sliding-window layer keeps only its window: a batch wider than it is laid out by one batched pass
-    window = getattr(model.config.get_text_config(), "sliding_window", None)
-    fits = window is None or input_ids.shape[1] <= window
     if full:
-        cache = DynamicCache(config=model.config)
+        cache = target_cache()
         out = model(input_ids=input_ids.to(model.device), cache=cache, use_cache=True, logits_to_keep=1)
         last, features = out.logits[:, -1], capture.features() if capture is not None else None
-    elif fits and input_ids.numel() > PER_ROW_PREFILL * int(lengths.sum()):
+    elif input_ids.numel() > PER_ROW_PREFILL * int(lengths.sum()):
         cache, last, features = _prefill_rows(model, input_ids.to(model.device), lengths, capture)
-    else:
-        cache = DynamicCache(config=model.config)
+    else:  # the target masks padding and windows from the 2-D mask: a column is a position plus the padding
+        cache = target_cache()
         out = model(
             input_ids=input_ids.to(model.device),
             attention_mask=mask,
@@ -120,6 +126,7 @@ def prefill(
         ends=torch.full((valid.shape[0],), valid.shape[1], dtype=torch.long, device=valid.device),
         host_ends=[valid.shape[1]] * valid.shape[0],
         full=full,
+        windows=attention_windows(model) if windows is None else windows,
     )
     return state, last, features
 
@@ -138,7 +145,7 @@ def _prefill_rows(
     rows, lasts, feats = [], [], []
     for r in range(batch):
         n = int(lengths[r])
-        cache = DynamicCache(config=model.config)
+        cache = target_cache()
         out = model(
             input_ids=input_ids[r : r + 1, width - n :], cache=cache, use_cache=True, logits_to_keep=1
         )
@@ -146,7 +153,7 @@ def _prefill_rows(
         lasts.append(out.logits[0, -1])
         if capture is not None:
             feats.append(capture.features()[0])
-    cache = DynamicCache(config=model.config)
+    cache = target_cache()
     for index in range(len(rows[0].layers)):
         parts = [(row.layers[index].keys, row.layers[index].values) for row in rows]
         shape = (batch, *parts[0][0].shape[1:-2], width, parts[0][0].shape[-1])
@@ -163,12 +170,25 @@ def _prefill_rows(
     return cache, torch.stack(lasts), features
 
 
-def batch_tree_mask(valid: Tensor, ancestors: Tensor, dtype: torch.dtype) -> Tensor:
+def batch_tree_mask(
+    valid: Tensor,
+    ancestors: Tensor,
+    dtype: torch.dtype,
+    lengths: Tensor | None = None,
+    windows: dict[str, int | None] | None = None,
+) -> Tensor | dict[str, Tensor]:
     """(B, 1, N, L + N) additive mask: each row's nodes see that row's valid columns, their ancestors and
-    themselves. `valid` (B, L) bool, `ancestors` (B, N, N) bool (ancestor-or-self)."""
+    themselves. `valid` (B, L) bool, `ancestors` (B, N, N) bool (ancestor-or-self). With `windows`
+    (`decode.inputs.attention_windows`) and the rows' committed `lengths` (B,), sliding-window layers see less
+    (`decode.verify.attention_masks`)."""
     b, n = ancestors.shape[:2]
     allowed = torch.cat([valid[:, None, :].expand(b, n, valid.shape[1]), ancestors], dim=-1)
-    return additive_mask(allowed, dtype)[:, None]
+    if not windows or not any(windows.values()):
+        return additive_mask(allowed, dtype)[:, None]
+    depths = ancestors.sum(-1) - 1  # (B, N)
+    queries = lengths[:, None] + depths  # (B, N) node positions
+    keys = torch.cat([valid.cumsum(-1) - 1, queries], dim=-1)  # (B, L + N): a valid column's position
+    return attention_masks(allowed, queries[:, :, None] - keys[:, None, :], windows, dtype)
 
 
 @torch.no_grad()
@@ -196,9 +216,13 @@ def verify_batch(
     positions = state.lengths[:, None] + depths.to(device)
     if state.full:  # one row, nothing masked before the tree
         n = tokens.shape[1]
-        mask = None if n == 1 else tree_attention_mask(ancestors[0].to(device), state.columns, model.dtype)
+        mask = (
+            None
+            if n == 1
+            else tree_attention_mask(ancestors[0].to(device), state.columns, model.dtype, state.windows)
+        )
     else:
-        mask = batch_tree_mask(state.valid, ancestors.to(device), model.dtype)
+        mask = batch_tree_mask(state.valid, ancestors.to(device), model.dtype, state.lengths, state.windows)
     out = model(
         input_ids=tokens.to(device),
         position_ids=positions,
@@ -230,15 +254,9 @@ def commit(state: BatchState, keep: list[list[int]], tree_size: int, path: Tenso
         state.host_ends = [state.host_ends[0] + kept]
         return
     lengths = {layer.keys.shape[-2] for layer in state.cache.layers}
-    if len(lengths) > 1:
-        raise NotImplementedError(
-            "cache layers differ in length (a sliding window is full); sequences longer than the sliding "
-            "window are not supported yet"
-        )
     if lengths != {before + tree_size}:
-        raise ValueError(
-            f"the cache holds {lengths.pop()} columns, expected {before} + a tree of {tree_size}"
-        )
+        held = lengths.pop() if len(lengths) == 1 else sorted(lengths)  # layers of unequal lengths: all
+        raise ValueError(f"the cache holds {held} columns, expected {before} + a tree of {tree_size}")
     device = state.valid.device
     width = min(max((len(nodes) for nodes in keep), default=0), tree_size)  # a path is at most the tree
     valid = torch.cat([state.valid, state.valid.new_zeros(batch, tree_size)], dim=1)

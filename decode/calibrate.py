@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import DynamicCache
 
 from decode.batch import commit, left_padded, prefill, verify_batch
 from decode.drafters import make_drafter
 from decode.generate import generate
+from decode.inputs import attention_windows
 from decode.layout import can_pack, is_pretransposed, pack_linears, packed_rows
 from decode.prepare import head_rows
 from decode.propose import propose
@@ -34,7 +34,7 @@ from decode.sizing import (
 )
 from decode.timing import synchronize
 from decode.tree import BestFirstTree, DraftTree, DynamicTree, TreeBuffers, build_tree, tree_label
-from decode.verify import verify
+from decode.verify import target_cache, verify
 from heads.features import FeatureCapture
 
 
@@ -63,7 +63,7 @@ def measure_verify_cost(
     tokens can always be padded to a larger measured size, so C_T(n) is at most C_T(m) for m > n.
     A pretransposed target (`decode.layout`) is measured packed for each n, as `decode.prepare` packs it to
     decode with an n-token tree, and is left packed as it was."""
-    cache = DynamicCache(config=model.config)
+    cache, windows = target_cache(), attention_windows(model)
     model(input_ids=context, cache=cache, use_cache=True, logits_to_keep=1)
     past = context.shape[1]
     times: dict[int, list[float]] = {n: [] for n in sizes}
@@ -84,7 +84,7 @@ def measure_verify_cost(
             )
 
             def run(tree: DraftTree = tree, n: int = n) -> None:
-                verify(model, cache, tree, past)
+                verify(model, cache, tree, past, windows=windows)
                 cache.crop(-n)  # transformers 5.x: drop the n positions just verified
 
             times[n].append(_median_seconds(run, 1, model.device))

@@ -20,11 +20,11 @@ from decode.accept import accept_greedy, accept_sampling, accept_typical, sample
 from decode.batch import commit, left_padded, prefill, truncate_at_stop, verify_batch
 from decode.drafters import make_drafter
 from decode.drafters.lm_head import float_dtype
-from decode.inputs import check_request, check_window, window_limit
+from decode.inputs import check_request
 from decode.policy import as_policy
 from decode.propose import propose
 from decode.timing import synchronize
-from decode.tree import resolve_tree, verify_rows
+from decode.tree import resolve_tree
 from heads.features import FeatureCapture
 from heads.io import check_head_matches_target
 from heads.registry import kind_of
@@ -224,8 +224,9 @@ def generate(
     Raises:
         TypeError, ValueError: bad arguments, refused before any work (`decode.inputs`: id dtypes and range,
             a mask that is not 0/1 or not left-padded, non-finite or out-of-range sampling parameters, a
-            request outgrowing a sliding window); or heads that do not fit the target (sizes, tapped layers,
-            or a device or floating dtype other than the target's; the message names both).
+            target whose layers keep recurrent state, as hybrid linear-attention and Mamba models do); or
+            heads that do not fit the target (sizes, tapped layers, or a device or floating dtype other than
+            the target's; the message names both).
 
     A decoding step queues its device work (drafting, the tree masks and positions, verification, acceptance,
     cache compaction) without waiting for it, and reads back one small tensor for every row: the accepted
@@ -272,18 +273,8 @@ def generate(
             resolved[id(wanted)] = known
         return known[1]
 
-    # a sliding-window target: refused before any work when the tree is known (the last step verifies it
-    # behind the prompt and all but the newest of max_new_tokens - 1 tokens), else step by step
-    window = window_limit(model)
-    # plain decoding of one unpadded sequence passes no mask of its own: the target applies its window itself
-    if drafter is None and policy is None and batch == 1 and attention_mask is None:
-        window = None
-    if policy is not None:
-        check_window(window, input_ids.shape[1], "the prompt")
-    else:
-        fixed = spec_for(batch)
-        columns = input_ids.shape[1] + max_new_tokens - 2 + (verify_rows(fixed) if fixed is not None else 1)
-        check_window(window, columns, "this prompt and max_new_tokens")
+    if policy is None:
+        spec_for(batch)  # a fixed tree is resolved, and a bad one refused, before any work
     generator = torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None
     vocab_size = model.get_output_embeddings().weight.shape[0]
 
@@ -296,7 +287,7 @@ def generate(
     layers = drafter.feature_layers if drafter is not None else ()
     capture = FeatureCapture(model, layers) if layers else None
     with capture if capture is not None else contextlib.nullcontext():
-        state, last, features = prefill(model, input_ids, attention_mask, capture)
+        state, last, features = prefill(model, input_ids, attention_mask, capture, request.windows)
         forwards = 1
         if temperature == 0:
             roots = list(last.argmax(-1).view(batch, 1))
@@ -354,7 +345,6 @@ def generate(
                 vocab_size=vocab_size,
             )
             size = len(trees[0])
-            check_window(window, state.columns + size, f"a step verifying {size} tokens")
             tokens = _stacked([t.tokens for t in trees])  # (B, N)
             logits, step_features = verify_batch(
                 model,

@@ -5,8 +5,8 @@ What is refused, and why it would otherwise go wrong: ids that are not integers 
 vocabulary (an embedding error deep inside, or a wrong row silently read); an attention mask that is not 0/1,
 has a hole (`[1, 0, 1, 1]`) or an empty row (the prefill paths read such a row differently, so the output
 would match neither reading); NaN or infinite sampling parameters (a NaN temperature samples token 0 forever);
-non-integer counts; stop ids that no target token can match; and sequences that outgrow a sliding-window
-target's window, whose cache then drops the columns a tree verify needs.
+non-integer counts; stop ids that no target token can match; and targets whose layers hold what a token tree
+cannot share (`attention_windows`: the recurrent state of hybrid linear-attention or Mamba models).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class Request:
     top_k: int
     eos: frozenset[int]  # stop tokens (the given ones, else the model's generation_config's)
     seed: int | None
+    windows: dict[str, int | None]  # the target's layer types and their sliding windows (`attention_windows`)
 
 
 def check_request(
@@ -58,8 +60,10 @@ def check_request(
         the Request (ids as (B, T) int64, on their own device).
     Raises:
         TypeError: an argument of the wrong type (a float count, float ids), named with its value.
-        ValueError: a bad value (out of range, NaN, a mask with a hole), named with the value and row.
+        ValueError: a bad value (out of range, NaN, a mask with a hole), named with the value and row; or a
+            target decoding cannot serve (`attention_windows`).
     """
+    windows = attention_windows(model)  # a target the loop cannot serve is refused first
     vocab = _vocab_size(model)
     ids = _ids(input_ids, vocab)
     mask = None if attention_mask is None else check_attention_mask(attention_mask, tuple(ids.shape))
@@ -81,6 +85,7 @@ def check_request(
         top_k=_integer("top_k", top_k, minimum=0),
         eos=eos,
         seed=seed,
+        windows=windows,
     )
 
 
@@ -126,24 +131,54 @@ def stop_tokens(model: nn.Module, eos_token_id) -> frozenset[int]:
     return frozenset(_integer("eos_token_id", e, minimum=0) for e in ids)
 
 
-def window_limit(model: nn.Module) -> int | None:
-    """The most cache columns a forward may see without a sliding-window layer dropping any (its window
-    minus one: what such a layer keeps), or None for a target without sliding-window layers."""
-    cache = DynamicCache(config=model.config)
-    windows = [w for w in (getattr(layer, "sliding_window", None) for layer in cache.layers) if w]
-    return min(windows) - 1 if windows else None
+def attention_windows(model: nn.Module) -> dict[str, int | None]:
+    """The target's attention layer types, each with its sliding window (None: full attention), read from the
+    KV cache transformers lays out for it. Decoding keeps every column in every layer
+    (`decode.verify.target_cache`) and applies the windows in its masks (`decode.verify.attention_masks`).
 
-
-def check_window(limit: int | None, columns: int, what: str) -> None:
-    """Refuse a pass over `columns` cache columns (cached tokens plus the pass's own) that a sliding-window
-    layer of the target could not hold (`limit`: `window_limit(model)`)."""
-    if limit is not None and columns > limit:
+    Raises:
+        ValueError: a target decoding cannot serve, named with its layers: recurrent state (hybrid linear
+            attention or Mamba: a token tree cannot share it as it shares a KV cache, where each node sees
+            only its ancestors' entries; verifying a tree over it would be wrong, and rolling it back to the
+            accepted path is not implemented), chunked attention, or any other cache layout but a plain or
+            sliding-window KV cache.
+    """
+    text = model.config.get_text_config(decoder=True)
+    name = getattr(text, "model_type", type(model).__name__)
+    layers = DynamicCache(config=model.config).layers
+    types = list(getattr(text, "layer_types", None) or [])
+    recurrent = [i for i, layer in enumerate(layers) if hasattr(layer, "recurrent_states")]
+    if recurrent:
         raise ValueError(
-            f"{what} needs {columns} cache columns, but the target's sliding window keeps {limit}: "
-            "speculative and batched decoding past a sliding window are not supported (a tree verify attends "
-            "to every cached column, and the window's cache drops the oldest); shorten the prompt or "
-            "max_new_tokens"
+            f"{name} is a hybrid target: its layers {recurrent} keep recurrent state (linear attention "
+            "or Mamba) instead of a KV cache. A token tree cannot share that state as it shares a KV cache "
+            "(each node must see only its ancestors), so verifying drafts over it would be wrong, and "
+            "rolling the state back to the accepted path is not implemented: decode.generate and "
+            "decode.prepare refuse it (training a head on its hidden states works)"
         )
+    if "chunked_attention" in types or getattr(text, "attention_chunk_size", None) is not None:
+        raise ValueError(
+            f"{name} has chunked attention layers, which decoding does not mask (it supports full and "
+            "sliding-window attention)"
+        )
+    kv_layers = (DynamicLayer, DynamicSlidingWindowLayer)
+    other = [i for i, layer in enumerate(layers) if type(layer) not in kv_layers]
+    if other:
+        kinds = ", ".join(sorted({type(layers[i]).__name__ for i in other}))
+        raise ValueError(
+            f"{name}: layers {other} keep a {kinds} cache; decoding supports targets whose every layer keeps "
+            "a plain or sliding-window KV cache"
+        )
+    windows: dict[str, int | None] = {}
+    for i, layer in enumerate(layers):
+        window = getattr(layer, "sliding_window", None)
+        kind = types[i] if i < len(types) else ("sliding_attention" if window else "full_attention")
+        if windows.setdefault(kind, window) != window:
+            raise ValueError(
+                f"{name}: layers of type {kind!r} have different sliding windows ({windows[kind]}, "
+                f"{window}); decoding builds one mask per layer type"
+            )
+    return windows
 
 
 def _ids(input_ids, vocab: int) -> Tensor:

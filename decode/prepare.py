@@ -11,6 +11,7 @@ from decode.drafter import Drafter, DraftLimits
 from decode.drafters import make_drafter
 from decode.drafters.lm_head import DRAFT_LM_HEAD
 from decode.fused import forget_fused_step
+from decode.inputs import attention_windows
 from decode.layout import (
     can_int8,
     can_onednn,
@@ -69,7 +70,10 @@ def prepare(
             build has them; False removes copies an earlier call gave.
         refresh: take every copy again (the default); False keeps the copies that still hold their weights,
             for loops that prepare before each call and write no weights (`benchmarks.benchmark`).
+    Raises:
+        ValueError: a target `generate` cannot decode (`decode.inputs.attention_windows`), before any work.
     """
+    attention_windows(model)
     fast_cpu = model.device.type == "cpu" and getattr(model, "dtype", None) == torch.float32
     if int8_draft is None:
         int8_draft = fast_cpu and can_int8()

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import pad_sequence
-from transformers import DynamicCache
 
 from decode.drafter import Drafter, DraftLimits, tree_visibility
+from decode.verify import target_cache
 from heads.eagle import additive_mask
 
 
@@ -63,7 +63,10 @@ class ModelDrafter(Drafter):
         check_draft_model(source.model, target)
         self.model, self.max_depth = source.model, source.max_depth
         self.device, self.dtype = source.model.device, source.model.dtype
-        self.cache = DynamicCache(config=self.model.config)
+        # every column kept (transformers' own cache would drop the oldest of a sliding-window draft, under
+        # the columns the masks below index); such a draft then sees past its window: other drafts, same
+        # output
+        self.cache = target_cache()
         self.valid = torch.zeros(batch, 0, dtype=torch.bool, device=self.device)
         self.counts = torch.zeros(batch, dtype=torch.long, device=self.device)  # tokens taken in per row
         self.first: list[Tensor] = []  # each row's first prompt token, fed with its first `advance`
