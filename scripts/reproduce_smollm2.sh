@@ -61,9 +61,9 @@ shipped() {
     # beside EAGLE-3, then its card's rows
     OMP_NUM_THREADS=1 python train/eagle.py configs/peagle_smollm2_ship.yaml > runs/peagle_smollm2_ship.log 2>&1
     python scripts/ship_head.py runs/peagle_smollm2_ship/head --name peagle --command "${trained[peagle]}"
-    python scripts/bench.py --eagle3 pretrained/smollm2-135m-instruct/eagle3 \
-        --peagle pretrained/smollm2-135m-instruct/peagle --prompts 10 --max-new-tokens 64 --temperatures 0 1 \
-        --block-budget 8 --block-budget 16 --size-tree --out results/bench_peagle
+    local shipped=pretrained/smollm2-135m-instruct
+    python scripts/bench.py --eagle3 "$shipped/eagle3" --dflash "$shipped/dflash" --peagle "$shipped/peagle" \
+        --prompts 10 --max-new-tokens 64 --temperatures 0 1 --block-budget 8 --size-tree --out results/bench_peagle
     python scripts/ship_head.py runs/peagle_smollm2_ship/head --name peagle --command "${trained[peagle]}" \
         --bench results/bench_peagle/bench.json
 }

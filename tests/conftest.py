@@ -41,6 +41,8 @@ FIRST = (
     "train/test_distributed.py",
     "train/test_distributed_medusa.py",
     "train/test_ablation.py",
+    "targets/test_architectures.py",
+    "targets/test_gemma3.py",
 )
 
 

@@ -178,7 +178,8 @@ def test_committed_head_was_trained_by_its_config_which_the_reproduce_script_run
     """Each shipped head's recorded run config equals configs/<name>_smollm2_ship.yaml in what shapes the head
     (data, length, schedule, steps, head settings; not where the run wrote or read its starting head), and
     scripts/reproduce_smollm2.sh trains it from that config and ships it under that name. A head continued
-    from an earlier stage's (init_from) names it in both, and the script trains every earlier stage first."""
+    from an earlier stage's (init_from) names it in both, and the script trains every earlier stage first; one
+    started from another shipped head is trained after the script ships that head."""
     name = folder.name
     config = ROOT / "configs" / f"{name}_smollm2_ship.yaml"
     run_config = _run_config(folder)
@@ -206,6 +207,12 @@ def test_committed_head_was_trained_by_its_config_which_the_reproduce_script_run
     }
     later, seen = config, set()
     while init is not None:  # every earlier stage, back to the first, trained before the stage it feeds
+        if Path(init).parent == folder.parent.relative_to(ROOT):  # another shipped head (P-EAGLE's EAGLE-3)
+            assert (ROOT / init / "config.json").is_file(), f"{init} is no shipped head"
+            ships = script.index("for name in eagle3 medusa1; do")  # the first loop ships them
+            trains = script.index(f"configs/{later.name} >")  # the run itself (its log redirected)
+            assert Path(init).name in ("eagle3", "medusa1") and ships < trains
+            break
         stage = [p for p, c in stages.items() if str(Path(c.train.output_dir) / "head") == init]
         assert stage, f"no configs/{name}_smollm2_ship_*.yaml writes {init}"
         assert stage[0] not in seen, f"the stages of {name} loop at {stage[0].name}"
