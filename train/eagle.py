@@ -24,6 +24,7 @@ from heads import EagleConfig, EagleHead, FeatureCapture
 from heads.dflash import DFlashConfig, DFlashHead
 from heads.io import load_heads
 from heads.peagle import PEagleConfig, PEagleHead
+from train.block_losses import dflash_loss, peagle_loss
 from train.checkpoint import EXPORT_DIR, export_head, gather_head
 from train.config import EagleRunConfig, EagleTrainConfig, load_config, to_dict
 from train.data import draft_vocab_from_frequencies, pad_token_id, token_frequencies
@@ -31,7 +32,7 @@ from train.distributed import check_deepspeed_precision, make_accelerator, shard
 from train.evaluate import check_tau_target, simulated_tau
 from train.loader import load_datasets, load_frozen_target
 from train.loop import prepare_run, train_loop
-from train.losses import dflash_loss, eagle1_loss, eagle3_ttt_loss, needs_outside_mass, peagle_loss
+from train.losses import eagle1_loss, eagle3_ttt_loss, needs_outside_mass
 from train.offline import offline_rows
 
 

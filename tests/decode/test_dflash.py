@@ -1,5 +1,5 @@
-"""DFlash (heads/dflash.py, decode/drafters/dflash.py, train.losses.dflash_loss): training scores a block as
-decoding does, batches equal rows alone, decoding is lossless, and a head trained on the target's own
+"""DFlash (heads/dflash.py, decode/drafters/dflash.py, train.block_losses.dflash_loss): training scores a
+block as decoding does, batches equal rows alone, decoding is lossless, and a head trained on the target's own
 continuation drafts it."""
 
 import copy
@@ -11,7 +11,7 @@ from decode import BestFirstTree, generate, prepare
 from decode.drafters.dflash import DFlashDrafter
 from heads.dflash import DFlashConfig, DFlashHead, dflash_layers
 from heads.features import FeatureCapture
-from train.losses import dflash_anchors, dflash_block_logits, dflash_loss
+from train.block_losses import dflash_anchors, dflash_block_logits, dflash_loss
 
 
 def _head(target, block=5, vocab=None, layers=2, seed=0):

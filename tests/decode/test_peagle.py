@@ -1,4 +1,4 @@
-"""P-EAGLE (heads/peagle.py, decode/drafters/peagle.py, train.losses.peagle_loss): training scores every
+"""P-EAGLE (heads/peagle.py, decode/drafters/peagle.py, train.block_losses.peagle_loss): training scores every
 chain's placeholders as decoding does, batches equal rows alone, decoding is lossless, and a head trained on
 the target's own continuation drafts whole chains from one forward."""
 
@@ -9,10 +9,9 @@ import torch
 
 from decode import BestFirstTree, generate, prepare
 from decode.drafters.peagle import PEagleDrafter
-from heads.features import FeatureCapture
 from heads.peagle import PEagleConfig, PEagleHead
-from tests.decode.test_dflash import assert_batch_equals_rows
-from train.losses import peagle_chains, peagle_hidden, peagle_loss
+from tests.decode.test_dflash import _taps, assert_batch_equals_rows
+from train.block_losses import peagle_chains, peagle_hidden, peagle_loss
 
 
 def _head(target, depths=4, vocab=None, seed=0):
@@ -29,12 +28,6 @@ def _head(target, depths=4, vocab=None, seed=0):
         head.set_draft_vocab(torch.randperm(target.config.vocab_size)[:vocab])
     torch.nn.init.normal_(head.lm_head.weight, std=0.5)
     return head.eval()
-
-
-def _taps(target, head, ids):
-    with torch.no_grad(), FeatureCapture(target, head.feature_layers) as capture:
-        logits = target(ids).logits
-        return capture.features(), logits
 
 
 @pytest.mark.parametrize("vocab", [None, 48], ids=["full-vocab", "own-vocab"])

@@ -11,13 +11,12 @@ on 3 of the 4 prompts; with fp32 all are equal).
 
 What is checked, on 4 held-out chat prompts, 64 new tokens, a chain of 3 drafts (vLLM's
 `num_speculative_tokens=3`, ours `tree=chain(3)`; for DFlash the whole block's drafts, 7; for P-EAGLE its
-trained depths, all from one forward, with vLLM's `parallel_drafting`): vLLM with the
-head, vLLM without it, `decode.generate` with and without it all give the same tokens; vLLM's draft count
-and accepted tokens per position equal ours exactly; an export with the taps in the wrong convention (ours,
-output-of-layer ids, instead of the input-of-layer ids vLLM reads; for DFlash the other way round) still
-decodes losslessly but drafts differently, so the counts catch it; an export missing a norm's weight is
-refused by our validator, and vLLM, which loads it silently (the norm left
-at ones), drafts differently with it.
+trained depths, all from one forward, with vLLM's `parallel_drafting`): vLLM with the head, vLLM without
+it, `decode.generate` with and without it all give the same tokens; vLLM's draft count and accepted tokens
+per position equal ours exactly; an export with the taps in the wrong convention (ours, output-of-layer ids,
+instead of the input-of-layer ids vLLM reads; for DFlash the other way round) still decodes losslessly but
+drafts differently, so the counts catch it; an export missing a norm's weight is refused by our validator,
+and vLLM, which loads it silently (the norm left at ones), drafts differently with it.
 
 `scripts/serve_vllm.py` is checked the way a user runs it: it serves the EAGLE-3 head with vLLM's
 OpenAI-compatible server on 127.0.0.1, the `openai` client sends the 4 chat prompts one at a time, and the
