@@ -42,7 +42,10 @@ from targets import load_target, merge_lora
 from targets.layer_draft import layer_draft
 
 CHAT_SOURCES = {"chitchat", "chitchat_starter"}  # prompts_eval.jsonl sources of the "chat" category
-CATEGORIES = ("chat", "instruction", "code")
+CATEGORIES = ("chat", "instruction", "code")  # in-source: kinds the training pools hold (other prompts)
+HELDOUT_FILE = "prompts_eval_heldout.jsonl"  # held-out-source categories (train/heldout.py builds them)
+HELDOUT_CATEGORIES = ("summary", "open_qa", "creative", "system", "followup")  # train.heldout's
+IN_SOURCE, HELD_OUT = "in-source", "held-out"  # the pooled columns of each kind
 BLOCK_LABELS = {"dflash": "DFlash", "peagle": "P-EAGLE"}  # block drafters: every depth from one forward
 VERIFY_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48)  # tree sizes whose verify cost the sizing measures
 PROMPT_LOOKUP_TOKENS = 10  # transformers' documented starting point for prompt_lookup_num_tokens
@@ -118,11 +121,12 @@ class Tally:
 
 
 def load_prompts(
-    data_dir: Path, n: int, calibration: int, skip: int = 0
+    data_dir: Path, n: int, calibration: int, skip: int = 0, heldout: bool = False
 ) -> tuple[dict[str, list[dict]], list[dict]]:
     """{category: n rows after the first `skip`} of prompts_eval.jsonl (chat, instruction) and
     prompts_code_eval.jsonl (code), and the calibration rows: the last chat rows, disjoint from the benchmark
-    rows. `skip` picks rows that a run with skip=0 never reports, to choose trees or bounds on."""
+    rows. `skip` picks rows that a run with skip=0 never reports, to choose trees or bounds on. With
+    `heldout`, also the held-out-source categories of prompts_eval_heldout.jsonl (`HELDOUT_CATEGORIES`)."""
     rows = [json.loads(line) for line in (data_dir / "prompts_eval.jsonl").read_text().splitlines()]
     chat = [r for r in rows if r["source"] in CHAT_SOURCES]
     instruction = [r for r in rows if r["source"] not in CHAT_SOURCES]
@@ -136,9 +140,37 @@ def load_prompts(
         if skip + n > len(found):
             raise SystemExit(f"--skip-prompts {skip} + --prompts {n} exceed the {len(found)} {name} prompts")
     window = slice(skip, skip + n)
-    return {"chat": chat[window], "instruction": instruction[window], "code": code[window]}, chat[
-        len(chat) - calibration :
-    ]
+    prompts = {"chat": chat[window], "instruction": instruction[window], "code": code[window]}
+    if heldout:
+        path = data_dir / HELDOUT_FILE
+        if not path.is_file():
+            raise SystemExit(f"{path} is missing: build it with python scripts/prepare_data.py --heldout")
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        for category in HELDOUT_CATEGORIES:
+            found = [r for r in rows if r["source"] == f"heldout_{category}"]
+            if skip + n > len(found):
+                raise SystemExit(
+                    f"--skip-prompts {skip} + --prompts {n} exceed the {len(found)} {category} prompts"
+                )
+            prompts[category] = found[window]
+    return prompts, chat[len(chat) - calibration :]
+
+
+def at_lengths(prompts: dict[str, list[dict]], lengths: list[int], long_prompts: int | None = None):
+    """The benchmark's columns: {label: (rows, new tokens)}. The first length keeps the category names;
+    each further length N adds "<category>@N" columns over the first `long_prompts` rows (all: None)."""
+    columns = {category: (rows, lengths[0]) for category, rows in prompts.items()}
+    for n in lengths[1:]:
+        columns |= {f"{category}@{n}": (rows[:long_prompts], n) for category, rows in prompts.items()}
+    return columns
+
+
+def pooled_labels(label: str) -> list[str]:
+    """The pooled columns a category column also counts in: its kind (in-source or held-out) at its length,
+    and "all"."""
+    category, _, length = label.partition("@")
+    kind = IN_SOURCE if category in CATEGORIES else HELD_OUT
+    return [kind + (f"@{length}" if length else ""), "all"]
 
 
 def prompt_ids(tokenizer, row: dict) -> torch.Tensor:
@@ -286,6 +318,7 @@ def build_methods(
     medusa1_trees=(),
     draft_layers=(),
     block_budgets=(),
+    chains=(),
 ) -> tuple[list[Method], dict, dict]:
     """The methods to compare, in report order, the loaded heads by name, and the targets by name.
 
@@ -301,6 +334,8 @@ def build_methods(
             each a separate draft model (`decode.drafters.model.DraftModel`) with the default dynamic tree.
         block_budgets: `BestFirstTree` budgets the block drafters (`BLOCK_LABELS`: "dflash", "peagle")
             decode with, beside the chain of all their depths (what vLLM drafts with them).
+        chains: chain lengths every head also decodes with (what vLLM serves: `num_speculative_tokens`
+            drafts in a chain).
     """
     loaded = {
         name: load_heads(paths[name], target=model)
@@ -345,6 +380,17 @@ def build_methods(
         for budget in block_budgets:
             tree = BestFirstTree(budget)
             methods.append(Method(f"{label} best-first {budget}", head, tree, tree_label=tree_label(tree)))
+    labels = {"medusa1": "Medusa-1", "eagle1": "EAGLE-1", "eagle3": "EAGLE-3", **BLOCK_LABELS}
+    for name, label in labels.items():
+        for n in chains if name in loaded else ():
+            depth = loaded[name].draft_depths if name in BLOCK_LABELS else None
+            if name == "medusa1":
+                depth = loaded[name].config.num_heads
+            if depth is not None and n > depth:
+                continue  # (deeper than it drafts)
+            methods.append(
+                Method(f"{label} chain {n}", loaded[name], chain(n), tree_label=tree_label(chain(n)))
+            )
     return methods, loaded, targets
 
 
@@ -376,14 +422,19 @@ def run_benchmark(
     max_new_tokens: int,
     seed: int,
     layout: dict,
+    lengths: dict[str, int] | None = None,
 ) -> dict[tuple[str, float, str], Tally]:
-    """{(method, temperature, category or "all"): Tally}. Per temperature, category and prompt, plain decoding
-    of each target and every method run back to back in a rotating order; one untimed warm-up run of each
-    first. At temperature 0 a method whose output differs from plain greedy decoding is named on stderr.
+    """{(method, temperature, column): Tally}: a column is a category (or "<category>@N" at N new tokens),
+    its pooled kind ("in-source", "held-out", at that length) or "all". Per temperature, category and prompt,
+    plain decoding of each target and every method run back to back in a rotating order; one untimed warm-up
+    run of each first. At temperature 0 a method whose output differs from plain greedy decoding is named on
+    stderr.
 
     Args:
         layout: keyword arguments of `decode.prepare` (pretranspose, int8_draft), the same for every method.
+        lengths: new tokens per category label (`at_lengths`); absent ones decode `max_new_tokens`.
     """
+    lengths = lengths or {}
     plains = [Method("plain (base)")] + (
         [Method("plain (medusa2)", target="medusa2")] if "medusa2" in targets else []
     )
@@ -401,15 +452,15 @@ def run_benchmark(
     total, done = len(temperatures) * sum(len(v) for v in prompts.values()), 0
     for temperature in temperatures:
         for category, rows in prompts.items():
+            new_tokens = lengths.get(category, max_new_tokens)
             for index, row in enumerate(rows):
                 ids = prompt_ids(tokenizer, row)
                 outputs = {
-                    m.name: run(m, ids, max_new_tokens, temperature, seed + index)
-                    for m in rotated(order, index)
+                    m.name: run(m, ids, new_tokens, temperature, seed + index) for m in rotated(order, index)
                 }
                 for method in methods:
                     plain = outputs[f"plain ({method.target})"]
-                    for key in ((method.name, temperature, category), (method.name, temperature, "all")):
+                    for key in [(method.name, temperature, c) for c in (category, *pooled_labels(category))]:
                         tallies.setdefault(key, Tally()).add(outputs[method.name], plain)
                     if temperature == 0 and not torch.equal(
                         outputs[method.name]["sequences"], plain["sequences"]
@@ -464,6 +515,8 @@ def benchmark(
     medusa1_nodes=(),
     draft_layers=(),
     block_budgets=(),
+    chains=(),
+    lengths: dict[str, int] | None = None,
     pretranspose: bool | None = None,
     int8_draft: bool | None = None,
     onednn: bool | None = None,
@@ -475,18 +528,19 @@ def benchmark(
     Args:
         model, tokenizer, model_name: the target, its tokenizer, and its name or folder.
         paths: head folders by name, as `build_methods` takes them.
-        prompts, calibration_rows: from `load_prompts`.
+        prompts, calibration_rows: from `load_prompts` (the columns of `at_lengths`, with `lengths`).
         pretranspose, int8_draft, onednn: `decode.prepare`'s options, the same for every method, plain
             decoding included (None: where they help on this device).
     """
     methods, loaded, targets = build_methods(
-        model, model_name, paths, eagle3_trees, medusa1_trees, draft_layers, block_budgets
+        model, model_name, paths, eagle3_trees, medusa1_trees, draft_layers, block_budgets, chains
     )
     layout = {"pretranspose": pretranspose, "int8_draft": int8_draft, "onednn": onednn}
     results: dict = {
         "model": model_name,
         "threads": torch.get_num_threads(),
         "max_new_tokens": max_new_tokens,
+        "lengths": lengths or {},
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "machine": platform.processor() or platform.machine(),
@@ -550,6 +604,7 @@ def benchmark(
         max_new_tokens=max_new_tokens,
         seed=seed,
         layout=layout,
+        lengths=lengths,
     )
     results["int8_draft"] = sorted(name for name, heads in loaded.items() if is_int8_draft(heads))
     results["pretransposed"], results["onednn"] = is_pretransposed(model), is_onednn(model)

@@ -56,7 +56,25 @@ def parse_args(argv: list[str] | None, description: str = "") -> argparse.Namesp
     skip = "start each category after its first N prompts: rows a default run never reports, to tune trees on"
     add("--skip-prompts", type=int, default=0, metavar="N", help=skip)
     add("--calibration-prompts", type=int, default=4, help="chat prompts for --size-tree")
-    add("--max-new-tokens", type=int, default=96)
+    lengths = (
+        "new tokens per prompt; several values decode every category at each (the first over --prompts rows, "
+        "the others over --long-prompts rows), reported side by side"
+    )
+    add("--max-new-tokens", type=int, nargs="+", default=[96], help=lengths)
+    add("--long-prompts", type=int, default=None, help="prompts per category at the later --max-new-tokens")
+    heldout = (
+        "also the held-out-source categories (summary, open_qa, creative, system, followup: "
+        "data/smollm2/prompts_eval_heldout.jsonl, sources no training file reads)"
+    )
+    add("--heldout", action="store_true", help=heldout)
+    add(
+        "--chain",
+        type=int,
+        action="append",
+        default=[],
+        metavar="N",
+        help="every head also decodes with a chain of N drafts (what vLLM serves; repeatable)",
+    )
     add("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     sized = "add cost-model-sized trees (EAGLE-3, Medusa-1, DFlash, P-EAGLE)"
     add("--size-tree", action="store_true", help=sized)
@@ -110,6 +128,10 @@ def parse_args(argv: list[str] | None, description: str = "") -> argparse.Namesp
     args.medusa1_dynamic = [tree_spec(parser, "--medusa1-dynamic", values) for values in args.medusa1_dynamic]
     if any(getattr(args, name) for name in BLOCK_HEADS) and not args.block_budget:
         args.block_budget = [16]
+    if min(args.max_new_tokens) < 1 or min(args.chain, default=1) < 1:
+        parser.error("--max-new-tokens and --chain must be at least 1")
+    if args.long_prompts is not None and not 1 <= args.long_prompts <= args.prompts:
+        parser.error(f"--long-prompts must be in [1, --prompts {args.prompts}], got {args.long_prompts}")
     if min(args.block_budget, default=1) < 1:
         parser.error(f"--block-budget must be at least 1, got {min(args.block_budget)}")
     if args.batch_sizes and not (args.eagle3 or args.medusa1):

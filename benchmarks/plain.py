@@ -15,6 +15,7 @@ import transformers
 from benchmarks.report import markdown
 from decode import generate
 from decode.inputs import attention_windows
+from decode.recurrent import kv_length, rewind, snapshot
 from decode.timing import synchronize
 from decode.tree import DraftTree
 from decode.verify import target_cache, verify
@@ -169,8 +170,9 @@ def bench_verify(model, tokenizer, repeats: int) -> list[dict]:
     vocab_size = model.config.vocab_size
     context = torch.cat([prompt_ids(tokenizer, i % len(PROMPTS), vocab_size) for i in range(12)], dim=1)
     context = context[:, :CONTEXT_LENGTH]
-    cache, windows = target_cache(), attention_windows(model)
+    cache, windows = target_cache(model), attention_windows(model)
     model(input_ids=context, cache=cache, use_cache=True, logits_to_keep=1)
+    saved = snapshot(cache)  # a hybrid's recurrent states after the context (none for other targets)
     past = context.shape[1]
     generator = torch.Generator().manual_seed(0)
     trees = {n: _random_tree(n, vocab_size, generator, model.device) for n in VERIFY_SIZES}
@@ -185,11 +187,9 @@ def bench_verify(model, tokenizer, repeats: int) -> list[dict]:
             logits, _ = verify(model, cache, trees[n], past, windows=windows)
             synchronize(model.device)
             elapsed = time.perf_counter() - start
-            cache.crop(-n)  # transformers 5.x crop takes the (negative) number of positions to drop
-            if logits.shape != (n, vocab_size) or cache.get_seq_length() != past:
-                raise SystemExit(
-                    f"verify n={n}: logits {tuple(logits.shape)}, cache {cache.get_seq_length()}"
-                )
+            rewind(cache, n, saved)  # the n positions just verified dropped, recurrent states put back
+            if logits.shape != (n, vocab_size) or kv_length(cache) != past:
+                raise SystemExit(f"verify n={n}: logits {tuple(logits.shape)}, cache {kv_length(cache)}")
             synchronize(model.device)
             start_head = time.perf_counter()
             lm_head(hidden[:, :n])

@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from benchmarks.benchmark import BLOCK_LABELS, CATEGORIES
+from benchmarks.benchmark import BLOCK_LABELS, HELD_OUT, IN_SOURCE
 from heads.files import write_json, write_text
 
 
@@ -40,32 +40,10 @@ def render(results: dict) -> str:
             "the lossless rule."
         ),
     ]
-    cats = [*CATEGORIES, "all"]
-    headers = ["method", "tree", *cats, "tok/s (all)", "plain tok/s (all)", "acceptance per depth (all)"]
     for temperature in dict.fromkeys(r["temperature"] for r in results["rows"]):
         rows = [r for r in results["rows"] if r["temperature"] == temperature]
-        table = []
-        for name in dict.fromkeys(r["method"] for r in rows):
-            cell = {r["category"]: r for r in rows if r["method"] == name}
-            total = cell["all"]
-            same = f"{total['identical_to_plain']}/{total['prompts']}" if temperature == 0 else "n/a"
-            table.append(
-                [name, total["tree"]]
-                + [
-                    f"{cell[c]['tau']:.2f} / {cell[c]['speedup']:.2f}x "
-                    f"({cell[c]['speedup_median_of_prompts']:.2f}x)"
-                    for c in cats
-                    if c in cell
-                ]
-                + [
-                    f"{total['tokens_per_second']:.1f}",
-                    f"{total['plain_tokens_per_second']:.1f}",
-                    " ".join(f"{a:.2f}" for a in total["acceptance_per_depth"]) or "n/a",
-                    same,
-                ]
-            )
-        parts.append(f"\n### Temperature {temperature:g}: tau / speedup per category\n")
-        parts.append(markdown([*headers, "same as plain"], table))
+        for length, cats in columns(rows).items():
+            parts += _table(rows, cats, temperature, length)
     for name, sizing in results["sizing"].items():
         parts.append(f"\n### Cost-model tree sizing for {name}\n")
         costs = ", ".join(f"n={n}: {ms:.1f}" for n, ms in sizing["verify_ms"].items())
@@ -115,6 +93,49 @@ def render(results: dict) -> str:
         ]
         parts.append(markdown(["budget", "tau", "C_T(n+1) ms", "draft ms", "predicted speedup"], rows))
     return "\n".join(parts) + "\n"
+
+
+def columns(rows: list[dict]) -> dict[str, list[str]]:
+    """The category columns per length (the first length "", then "@N"): each length's categories in the order
+    of the rows, then its pooled kinds (in-source, held-out), and "all" with the first length."""
+    labels = list(dict.fromkeys(r["category"] for r in rows))
+    out: dict[str, list[str]] = {}
+    for label in labels:
+        if label == "all":
+            continue
+        out.setdefault(label.partition("@")[2], []).append(label)
+    for length, cats in out.items():
+        pooled = [c for c in cats if c.partition("@")[0] in (IN_SOURCE, HELD_OUT)]
+        out[length] = [c for c in cats if c not in pooled] + pooled + (["all"] if length == "" else [])
+    return out
+
+
+def _table(rows: list[dict], cats: list[str], temperature: float, length: str) -> list[str]:
+    """One tau / speedup table: a row per method, a column per category label in `cats`."""
+    headers = ["method", "tree", *cats, "tok/s (all)", "plain tok/s (all)", "acceptance per depth (all)"]
+    table = []
+    for name in dict.fromkeys(r["method"] for r in rows):
+        cell = {r["category"]: r for r in rows if r["method"] == name}
+        total = cell["all"]
+        same = f"{total['identical_to_plain']}/{total['prompts']}" if temperature == 0 else "n/a"
+        table.append(
+            [name, total["tree"]]
+            + [
+                f"{cell[c]['tau']:.2f} / {cell[c]['speedup']:.2f}x "
+                f"({cell[c]['speedup_median_of_prompts']:.2f}x)"
+                if c in cell
+                else "n/a"
+                for c in cats
+            ]
+            + [
+                f"{total['tokens_per_second']:.1f}",
+                f"{total['plain_tokens_per_second']:.1f}",
+                " ".join(f"{a:.2f}" for a in total["acceptance_per_depth"]) or "n/a",
+                same,
+            ]
+        )
+    title = f"Temperature {temperature:g}" + (f", {length} new tokens" if length else "")
+    return [f"\n### {title}: tau / speedup per category\n", markdown([*headers, "same as plain"], table)]
 
 
 def plots(results: dict, out: Path) -> list[str]:

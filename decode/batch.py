@@ -23,8 +23,18 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from decode.inputs import attention_windows, check_attention_mask
+from decode.recurrent import (
+    Snapshot,
+    adopt,
+    is_recurrent,
+    kv_layers,
+    merge_rows,
+    recurrent_layers,
+    select_rows,
+)
 from decode.verify import attention_masks, compact_cache, target_cache, tree_attention_mask
 from heads.eagle import additive_mask
 from heads.features import FeatureCapture
@@ -43,6 +53,7 @@ class BatchState:
     )  # `ends` on the host: laying out the cache reads nothing
     full: bool = False  # every column of the (single) row is valid: the shorter paths (module docstring)
     windows: dict[str, int | None] = field(default_factory=dict)  # layer type -> sliding window or None
+    hybrid: bool = False  # some layers keep recurrent state: chains only, rolled back (`decode.recurrent`)
 
     def __post_init__(self) -> None:
         if not self.host_ends:
@@ -58,7 +69,7 @@ class BatchState:
             return
         self.full = False  # a row left alone may hold padding or holes
         index = torch.tensor(rows, dtype=torch.long, device=self.valid.device)
-        self.cache.batch_select_indices(index)
+        select_rows(self.cache, index)
         self.valid, self.lengths, self.ends = self.valid[index], self.lengths[index], self.ends[index]
         self.host_ends = [self.host_ends[r] for r in rows]
         self._trim()
@@ -67,7 +78,7 @@ class BatchState:
         end = max(self.host_ends, default=0)
         if end < self.columns:
             self.valid = self.valid[:, :end]
-            for layer in self.cache.layers:
+            for layer in kv_layers(self.cache):
                 layer.keys, layer.values = layer.keys[..., :end, :], layer.values[..., :end, :]
 
 
@@ -96,19 +107,22 @@ def prefill(
         the batch state, the logits after each prompt's last token (B, V), and the captured features
         (B, T, F) or None.
     """
-    full = attention_mask is None and input_ids.shape[0] == 1
+    hybrid = bool(recurrent_layers(target_cache(model)))
+    # a hybrid's rows always get the explicit masks (its cache's own lengths count chains it rolled back)
+    full = attention_mask is None and input_ids.shape[0] == 1 and not hybrid
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     mask = check_attention_mask(attention_mask, tuple(input_ids.shape)).to(model.device)
     lengths = mask.sum(-1)
     if full:
-        cache = target_cache()
+        cache = target_cache(model)
         out = model(input_ids=input_ids.to(model.device), cache=cache, use_cache=True, logits_to_keep=1)
         last, features = out.logits[:, -1], capture.features() if capture is not None else None
-    elif input_ids.numel() > PER_ROW_PREFILL * int(lengths.sum()):
+    elif hybrid or input_ids.numel() > PER_ROW_PREFILL * int(lengths.sum()):
+        # (a hybrid's rows one by one: padding fed through its recurrent layers would be fed into the state)
         cache, last, features = _prefill_rows(model, input_ids.to(model.device), lengths, capture)
     else:  # the target masks padding and windows from the 2-D mask: a column is a position plus the padding
-        cache = target_cache()
+        cache = target_cache(model)
         out = model(
             input_ids=input_ids.to(model.device),
             attention_mask=mask,
@@ -127,6 +141,7 @@ def prefill(
         host_ends=[valid.shape[1]] * valid.shape[0],
         full=full,
         windows=attention_windows(model) if windows is None else windows,
+        hybrid=hybrid,
     )
     return state, last, features
 
@@ -145,7 +160,7 @@ def _prefill_rows(
     rows, lasts, feats = [], [], []
     for r in range(batch):
         n = int(lengths[r])
-        cache = target_cache()
+        cache = target_cache(model)
         out = model(
             input_ids=input_ids[r : r + 1, width - n :], cache=cache, use_cache=True, logits_to_keep=1
         )
@@ -153,8 +168,10 @@ def _prefill_rows(
         lasts.append(out.logits[0, -1])
         if capture is not None:
             feats.append(capture.features()[0])
-    cache = target_cache()
+    cache = target_cache(model)
     for index in range(len(rows[0].layers)):
+        if not isinstance(rows[0].layers[index], DynamicLayer):
+            continue  # recurrent states are merged below; empty layers hold nothing
         parts = [(row.layers[index].keys, row.layers[index].values) for row in rows]
         shape = (batch, *parts[0][0].shape[1:-2], width, parts[0][0].shape[-1])
         keys = parts[0][0].new_zeros(shape)
@@ -162,6 +179,7 @@ def _prefill_rows(
         for r, (k, v) in enumerate(parts):
             keys[r, ..., width - k.shape[-2] :, :], values[r, ..., width - v.shape[-2] :, :] = k[0], v[0]
         cache.update(keys, values, index)
+    merge_rows(cache, rows)
     features = None
     if capture is not None:
         features = feats[0].new_zeros(batch, width, feats[0].shape[-1])
@@ -253,7 +271,7 @@ def commit(state: BatchState, keep: list[list[int]], tree_size: int, path: Tenso
         state.ends, state.lengths = state.ends + kept, state.lengths + kept
         state.host_ends = [state.host_ends[0] + kept]
         return
-    lengths = {layer.keys.shape[-2] for layer in state.cache.layers}
+    lengths = {layer.keys.shape[-2] for layer in kv_layers(state.cache)}
     if lengths != {before + tree_size}:
         held = lengths.pop() if len(lengths) == 1 else sorted(lengths)  # layers of unequal lengths: all
         raise ValueError(f"the cache holds {held} columns, expected {before} + a tree of {tree_size}")
@@ -269,7 +287,7 @@ def commit(state: BatchState, keep: list[list[int]], tree_size: int, path: Tenso
         # past the row's new end, which stay invalid (ends[b] + width - 1 <= before + tree_size - 1)
         target = state.ends[:, None] + torch.arange(width, device=device)
         source = before + path.clamp(min=0)
-        for layer in state.cache.layers:
+        for layer in kv_layers(state.cache):
             for name in ("keys", "values"):
                 cached = getattr(layer, name)
                 shape = (-1, cached.shape[1], -1, cached.shape[-1])
@@ -283,6 +301,67 @@ def commit(state: BatchState, keep: list[list[int]], tree_size: int, path: Tenso
         state.host_ends = [end + len(nodes) for end, nodes in zip(state.host_ends, keep)]
     state.valid = valid
     state._trim()
+
+
+@torch.no_grad()
+def replay(
+    model: nn.Module, state: BatchState, saved: Snapshot, tokens: Tensor, keeps: list[list[int]], size: int
+) -> None:
+    """Roll each row's recurrent state back to its accepted prefix, after a chain's verify pass and before
+    `decode.batch.commit` (`decode.recurrent`).
+
+    Args:
+        model: the target.
+        state: the `decode.batch.BatchState` the chains were verified on (its cache holds the chains'
+            columns behind `state.columns`).
+        saved: the `snapshot` taken just before the verify pass.
+        tokens: (B, N) the chains' tokens (node i at depth i).
+        keeps: each row's accepted nodes, a prefix of its chain.
+        size: N.
+    """
+    groups: dict[int, list[int]] = {}
+    for row, keep in enumerate(keeps):
+        if keep != list(range(len(keep))):
+            raise ValueError(f"row {row} accepted nodes {keep}: a hybrid target verifies chains only")
+        if len(keep) < size:
+            groups.setdefault(len(keep), []).append(row)
+    before = state.columns
+    device = state.valid.device
+    for n, rows in groups.items():
+        index = torch.tensor(rows, device=device)
+        cache = DynamicCache(config=model.config)
+        for i, (layer, theirs) in enumerate(zip(cache.layers, state.cache.layers, strict=True)):
+            if isinstance(theirs, DynamicLayer):
+                layer = cache.layers[i] = DynamicLayer()
+                keys = theirs.keys.index_select(0, index.to(theirs.keys.device))[..., :before, :]
+                values = theirs.values.index_select(0, index.to(theirs.values.device))[..., :before, :]
+                layer.update(keys, values)
+            elif is_recurrent(theirs):
+                adopt(layer, theirs)
+                conv, recurrent = saved.layers[i]
+                for mine, states in ((layer.conv_states, conv), (layer.recurrent_states, recurrent)):
+                    for s, value in states.items():
+                        mine[s] = None if value is None else value.index_select(0, index.to(value.device))
+        valid, lengths = state.valid.index_select(0, index), state.lengths.index_select(0, index)
+        chain = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+        mask = batch_tree_mask(valid, chain.expand(len(rows), n, n), model.dtype, lengths, state.windows)
+        model(
+            input_ids=tokens.index_select(0, index.to(tokens.device))[:, :n].to(model.device),
+            position_ids=lengths[:, None] + torch.arange(n, device=device),
+            attention_mask=mask,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        for i in saved.layers:
+            ours, replayed = state.cache.layers[i], cache.layers[i]
+            for mine, theirs in (
+                (ours.conv_states, replayed.conv_states),
+                (ours.recurrent_states, replayed.recurrent_states),
+            ):
+                for s, value in theirs.items():
+                    if value is not None:
+                        mine[s].index_copy_(0, index.to(value.device), value)
 
 
 def truncate_at_stop(tokens: list[int], eos: frozenset[int], max_new_tokens: int) -> list[int]:

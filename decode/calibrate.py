@@ -21,6 +21,7 @@ from decode.inputs import attention_windows
 from decode.layout import can_pack, is_pretransposed, pack_linears, packed_rows
 from decode.prepare import head_rows
 from decode.propose import propose
+from decode.recurrent import rewind, snapshot
 from decode.sizing import (
     AdaptivePolicy,
     BatchChoice,
@@ -63,8 +64,9 @@ def measure_verify_cost(
     tokens can always be padded to a larger measured size, so C_T(n) is at most C_T(m) for m > n.
     A pretransposed target (`decode.layout`) is measured packed for each n, as `decode.prepare` packs it to
     decode with an n-token tree, and is left packed as it was."""
-    cache, windows = target_cache(), attention_windows(model)
+    cache, windows = target_cache(model), attention_windows(model)
     model(input_ids=context, cache=cache, use_cache=True, logits_to_keep=1)
+    saved = snapshot(cache)  # a hybrid's recurrent states after the context (none for other targets)
     past = context.shape[1]
     times: dict[int, list[float]] = {n: [] for n in sizes}
     pack, before = is_pretransposed(model) and can_pack(), packed_rows(model)
@@ -85,7 +87,7 @@ def measure_verify_cost(
 
             def run(tree: DraftTree = tree, n: int = n) -> None:
                 verify(model, cache, tree, past, windows=windows)
-                cache.crop(-n)  # transformers 5.x: drop the n positions just verified
+                rewind(cache, n, saved)  # the n positions just verified dropped, recurrent states put back
 
             times[n].append(_median_seconds(run, 1, model.device))
     if pack:

@@ -17,14 +17,15 @@ import torch
 from torch import Tensor, nn
 
 from decode.accept import accept_greedy, accept_sampling, accept_typical, sample, tally_ranks, target_probs
-from decode.batch import commit, left_padded, prefill, truncate_at_stop, verify_batch
+from decode.batch import commit, left_padded, prefill, replay, truncate_at_stop, verify_batch
 from decode.drafters import make_drafter
 from decode.drafters.lm_head import float_dtype
 from decode.inputs import check_request
 from decode.policy import as_policy
 from decode.propose import propose
+from decode.recurrent import HYBRID_CHAIN, check_chain, record, settle
 from decode.timing import synchronize
-from decode.tree import resolve_tree
+from decode.tree import chain, resolve_tree
 from heads.features import FeatureCapture
 from heads.io import check_head_matches_target
 from heads.registry import kind_of
@@ -213,7 +214,9 @@ def generate(
             DEFAULT_TREES[GPU_MEDUSA_TREE] for Medusa); elsewhere the sizes measured on a 2-core CPU,
             DEFAULT_EAGLE_TREE (depth 5, top_k 4, 12 tokens) and DEFAULT_TREES[DEFAULT_MEDUSA_TREE]. Or a
             per-step policy (`decode.policy.TreePolicy`, or a callable `rows -> tree or None`), asked every
-            step with the rows still decoding: None is a plain step.
+            step with the rows still decoding: None is a plain step. On a hybrid target (recurrent layers)
+            a chain: `decode.tree.chain(depth)` or a DynamicTree with top_k=1; the default is a chain of
+            `decode.recurrent.HYBRID_CHAIN` drafts.
         seed: seeds the sampling and draft draws.
         eos_token_id: stop token(s); None = the model's generation_config.
         acceptance: "lossless" (default) or "typical" (Medusa typical acceptance; LOSSY, sampling only).
@@ -224,9 +227,10 @@ def generate(
     Raises:
         TypeError, ValueError: bad arguments, refused before any work (`decode.inputs`: id dtypes and range,
             a mask that is not 0/1 or not left-padded, non-finite or out-of-range sampling parameters, a
-            target whose layers keep recurrent state, as hybrid linear-attention and Mamba models do); or
-            heads that do not fit the target (sizes, tapped layers, or a device or floating dtype other than
-            the target's; the message names both).
+            target whose cache decoding does not lay out); a tree with branches on a hybrid target (layers
+            with recurrent state verify chains: `decode.recurrent`); or heads that do not fit the target
+            (sizes, tapped layers, or a device or floating dtype other than the target's; the message names
+            both).
 
     A decoding step queues its device work (drafting, the tree masks and positions, verification, acceptance,
     cache compaction) without waiting for it, and reads back one small tensor for every row: the accepted
@@ -266,10 +270,15 @@ def generate(
         known = resolved.get(id(wanted))
         if known is None or known[0] is not wanted:  # (the spec is kept, so its id is not reused meanwhile)
             limits = drafter.limits()
+            form = wanted
+            if request.recurrent and form is None:  # a hybrid target verifies chains (`decode.recurrent`)
+                form = chain(min(HYBRID_CHAIN, limits.max_depth or HYBRID_CHAIN))
             known = (
                 wanted,
-                resolve_tree(wanted, max_depth=limits.max_depth, dynamic=limits.dynamic, device=model.device),
+                resolve_tree(form, max_depth=limits.max_depth, dynamic=limits.dynamic, device=model.device),
             )
+            if request.recurrent:
+                check_chain(known[1], model.config.get_text_config(decoder=True).model_type)
             resolved[id(wanted)] = known
         return known[1]
 
@@ -346,6 +355,9 @@ def generate(
             )
             size = len(trees[0])
             tokens = _stacked([t.tokens for t in trees])  # (B, N)
+            rolled = state.hybrid and size > 1  # a chain over recurrent layers: its states recorded
+            if rolled:
+                record(state.cache, size)
             logits, step_features = verify_batch(
                 model,
                 state,
@@ -402,6 +414,10 @@ def generate(
                         kept = paths[i, : len(keep)]  # the accepted nodes as a device index: no upload
                         feats = step_features[i].index_select(0, kept) if capture is not None else None
                         pending[r].append((feats, torch.cat([tokens[i].index_select(0, kept[1:]), roots[r]])))
+            if rolled:  # each row's recurrent state back to its accepted prefix
+                saved = settle(state.cache, (paths >= 0).sum(1), size)
+                if saved is not None:  # layers that recorded no intermediate states: run those rows again
+                    replay(model, state, saved, tokens, keeps, size)
             commit(state, keeps, size, paths)
             if policy is not None and size > 1:
                 policy.observe(step_accepted, step_offered)

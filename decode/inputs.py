@@ -5,8 +5,9 @@ What is refused, and why it would otherwise go wrong: ids that are not integers 
 vocabulary (an embedding error deep inside, or a wrong row silently read); an attention mask that is not 0/1,
 has a hole (`[1, 0, 1, 1]`) or an empty row (the prefill paths read such a row differently, so the output
 would match neither reading); NaN or infinite sampling parameters (a NaN temperature samples token 0 forever);
-non-integer counts; stop ids that no target token can match; and targets whose layers hold what a token tree
-cannot share (`attention_windows`: the recurrent state of hybrid linear-attention or Mamba models).
+non-integer counts; stop ids that no target token can match; and targets whose cache decoding does not lay out
+(`attention_windows`: chunked attention, layers mixing linear and softmax attention, other cache kinds).
+Hybrid targets, whose layers keep recurrent state beside KV layers, decode with chains (`decode.recurrent`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class Request:
     eos: frozenset[int]  # stop tokens (the given ones, else the model's generation_config's)
     seed: int | None
     windows: dict[str, int | None]  # the target's layer types and their sliding windows (`attention_windows`)
+    recurrent: tuple[int, ...] = ()  # a hybrid target's layers with recurrent state (`decode.recurrent`)
 
 
 def check_request(
@@ -86,6 +88,7 @@ def check_request(
         eos=eos,
         seed=seed,
         windows=windows,
+        recurrent=tuple(recurrent_layer_indices(model)),
     )
 
 
@@ -135,42 +138,48 @@ def attention_windows(model: nn.Module) -> dict[str, int | None]:
     """The target's attention layer types, each with its sliding window (None: full attention), read from the
     KV cache transformers lays out for it. Decoding keeps every column in every layer
     (`decode.verify.target_cache`) and applies the windows in its masks (`decode.verify.attention_masks`).
+    The recurrent layers of a hybrid target (linear attention, Mamba) are left out: they take no mask, and
+    decoding verifies chains over them and rolls their state back (`decode.recurrent`).
 
     Raises:
-        ValueError: a target decoding cannot serve, named with its layers: recurrent state (hybrid linear
-            attention or Mamba: a token tree cannot share it as it shares a KV cache, where each node sees
-            only its ancestors' entries; verifying a tree over it would be wrong, and rolling it back to the
-            accepted path is not implemented), chunked attention, or any other cache layout but a plain or
-            sliding-window KV cache.
+        ValueError: a target decoding cannot serve, named with its layers: chunked attention, a hybrid with
+            sliding-window layers, layers that mix linear and softmax attention in one cache layer, or any
+            other cache layout but plain or sliding-window KV layers and recurrent layers.
     """
     text = model.config.get_text_config(decoder=True)
     name = getattr(text, "model_type", type(model).__name__)
     layers = DynamicCache(config=model.config).layers
     types = list(getattr(text, "layer_types", None) or [])
-    recurrent = [i for i, layer in enumerate(layers) if hasattr(layer, "recurrent_states")]
-    if recurrent:
-        raise ValueError(
-            f"{name} is a hybrid target: its layers {recurrent} keep recurrent state (linear attention "
-            "or Mamba) instead of a KV cache. A token tree cannot share that state as it shares a KV cache "
-            "(each node must see only its ancestors), so verifying drafts over it would be wrong, and "
-            "rolling the state back to the accepted path is not implemented: decode.generate and "
-            "decode.prepare refuse it (training a head on its hidden states works)"
-        )
     if "chunked_attention" in types or getattr(text, "attention_chunk_size", None) is not None:
         raise ValueError(
             f"{name} has chunked attention layers, which decoding does not mask (it supports full and "
             "sliding-window attention)"
         )
     kv_layers = (DynamicLayer, DynamicSlidingWindowLayer)
-    other = [i for i, layer in enumerate(layers) if type(layer) not in kv_layers]
+    known = (*kv_layers, LinearAttentionLayer, DummyLayer)
+    other = [i for i, layer in enumerate(layers) if type(layer) not in known]
     if other:
         kinds = ", ".join(sorted({type(layers[i]).__name__ for i in other}))
         raise ValueError(
-            f"{name}: layers {other} keep a {kinds} cache; decoding supports targets whose every layer keeps "
-            "a plain or sliding-window KV cache"
+            f"{name}: layers {other} keep a {kinds} cache; decoding supports targets whose layers keep a "
+            "plain or sliding-window KV cache, or a recurrent state (linear attention, Mamba) in layers of "
+            "their own"
         )
+    recurrent = [i for i, layer in enumerate(layers) if type(layer) is LinearAttentionLayer]
+    if len(recurrent) == len(layers):
+        raise ValueError(
+            f"{name}: every layer keeps recurrent state (a pure state-space or linear-attention model); "
+            "decoding supports hybrids, whose other layers attend"
+        )
+    windowed = [i for i, layer in enumerate(layers) if type(layer) is DynamicSlidingWindowLayer]
+    if recurrent and windowed:
+        raise ValueError(
+            f"{name} is a hybrid target (recurrent layers {recurrent}) with sliding-window layers "
+            f"{windowed}: decoding supports hybrids whose attention layers attend fully"
+        )
+    layers = {i: layer for i, layer in enumerate(layers) if type(layer) in kv_layers}
     windows: dict[str, int | None] = {}
-    for i, layer in enumerate(layers):
+    for i, layer in layers.items():
         window = getattr(layer, "sliding_window", None)
         kind = types[i] if i < len(types) else ("sliding_attention" if window else "full_attention")
         if windows.setdefault(kind, window) != window:
@@ -179,6 +188,16 @@ def attention_windows(model: nn.Module) -> dict[str, int | None]:
                 f"{window}); decoding builds one mask per layer type"
             )
     return windows
+
+
+def recurrent_layer_indices(model: nn.Module) -> list[int]:
+    """The target's layers that keep recurrent state (linear attention, Mamba): a hybrid target's; [] for
+    the others."""
+    return [
+        i
+        for i, layer in enumerate(DynamicCache(config=model.config).layers)
+        if type(layer) is LinearAttentionLayer
+    ]
 
 
 def _ids(input_ids, vocab: int) -> Tensor:

@@ -11,8 +11,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from decode.inputs import attention_windows
+from decode.recurrent import hybrid_cache, kv_layers
 from decode.tree import DraftTree
 from heads.eagle import additive_mask
 from heads.features import FeatureCapture
@@ -20,10 +22,16 @@ from heads.features import FeatureCapture
 Masks = Tensor | dict[str, Tensor]  # one additive mask for every layer, or one per layer type
 
 
-def target_cache() -> DynamicCache:
-    """An empty KV cache in which every layer keeps every column, sliding-window layers too: without a config,
-    transformers makes each layer a plain `DynamicLayer` on its first update. (Targets whose layers need
-    another kind of cache are refused before one is made: `decode.inputs.attention_windows`.)"""
+def target_cache(model: nn.Module | None = None) -> DynamicCache:
+    """An empty cache in which every KV layer keeps every column, sliding-window layers too: without a config,
+    transformers makes each layer a plain `DynamicLayer` on its first update. A `model` whose layers are not
+    all KV layers (a hybrid's recurrent layers, Nemotron-H's empty MLP layers) gets its own layout, its KV
+    layers plain (`decode.recurrent.hybrid_cache`). (Targets whose layers need another kind of cache are
+    refused before one is made: `decode.inputs.attention_windows`.)"""
+    if model is not None and not all(
+        isinstance(layer, DynamicLayer) for layer in DynamicCache(config=model.config).layers
+    ):
+        return hybrid_cache(model)
     return DynamicCache()
 
 
@@ -113,16 +121,17 @@ def compact_cache(
     `keep_index` is `keep` as an int64 tensor on the cache's device, when the caller has one (`generate` does:
     no upload); otherwise it is made once here. Either way one index serves every layer.
     """
-    if keep == [0] and cache.layers and cache.layers[0].keys.shape[-2] == past_length + 1:
+    layers = kv_layers(cache)
+    if keep == [0] and layers and layers[0].keys.shape[-2] == past_length + 1:
         return  # plain decoding: the single verified token is the one kept
     crop = keep == list(range(len(keep)))  # a chain prefix: a crop is enough
     index = None
     if not crop:
-        device = cache.layers[0].keys.device
+        device = layers[0].keys.device
         index = past_length + (keep_index if keep_index is not None else torch.tensor(keep, device=device))
     tree_length = None
     end = past_length + len(keep)
-    for layer in cache.layers:
+    for layer in layers:
         length = layer.keys.shape[-2]
         tree_length = length - past_length if tree_length is None else tree_length
         if length != past_length + tree_length:

@@ -33,7 +33,7 @@ import torch
 
 from benchmarks import cli
 from benchmarks.batch import batch_run
-from benchmarks.benchmark import benchmark, load_prompts, prompt_ids
+from benchmarks.benchmark import at_lengths, benchmark, load_prompts, prompt_ids
 from benchmarks.report import write_report
 from decode.tree import DynamicTree
 from heads import load_heads
@@ -57,8 +57,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.batch_sizes:
         return batched(args, model, tokenizer, command)
     prompts, calibration = load_prompts(
-        DATA, args.prompts, args.calibration_prompts if args.size_tree else 0, args.skip_prompts
+        DATA, args.prompts, args.calibration_prompts if args.size_tree else 0, args.skip_prompts, args.heldout
     )
+    columns = at_lengths(prompts, args.max_new_tokens, args.long_prompts)
     paths = {
         name: getattr(args, name) for name in ("medusa1", "eagle1", "eagle3", "medusa2", *cli.BLOCK_HEADS)
     }
@@ -69,10 +70,12 @@ def main(argv: list[str] | None = None) -> dict:
             tokenizer,
             args.model,
             paths,
-            prompts,
+            {label: rows for label, (rows, _) in columns.items()},
             calibration,
             temperatures=args.temperatures,
-            max_new_tokens=args.max_new_tokens,
+            max_new_tokens=args.max_new_tokens[0],
+            lengths={label: n for label, (_, n) in columns.items()},
+            chains=args.chain,
             repeats=args.repeats,
             seed=args.seed,
             size_tree=args.size_tree,
@@ -102,7 +105,7 @@ def batched(args: argparse.Namespace, model, tokenizer, command: str) -> dict:
         [prompt_ids(tokenizer, row) for row in calibration],
         args.batch_sizes,
         tree=DynamicTree(*args.eagle3_tree[0]) if args.eagle3 and args.eagle3_tree else None,
-        max_new_tokens=args.max_new_tokens,
+        max_new_tokens=args.max_new_tokens[0],
         repeats=args.repeats,
         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
         rowwise=args.batch_rowwise,

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from heads.files import write_jsonl
 from train.domains import domain_prompts, function_key
+from train.heldout import answer_first_turns, heldout_prompts
 from train.prompts import (
     CHITCHAT,
     HUMAN_EVAL,
@@ -45,7 +46,16 @@ def main() -> None:
         "--eval-fraction", type=float, default=0.05, help="held-out share of each chat source"
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--heldout",
+        action="store_true",
+        help="write only prompts_eval_heldout.jsonl, the held-out-source benchmark (train/heldout.py): its "
+        "follow-up rows hold the default target's own first reply, so the target is loaded",
+    )
     args = parser.parse_args()
+    if args.heldout:
+        write_heldout(args.out, args.seed)
+        return
 
     code_rows, entry_points = human_eval_prompts(fetch(*HUMAN_EVAL))
     chats = llamafactory_prompts(fetch(*LLAMAFACTORY)) + chitchat_prompts(fetch(*CHITCHAT))
@@ -99,6 +109,21 @@ def main() -> None:
     print(f"held-out code prompts whose function is trained on in its other wording, left out: {len(twins)}")
     for name, rows in files.items():
         print(f"{args.out / name}: {len(rows)} rows, {(args.out / name).stat().st_size / 1e6:.2f} MB")
+
+
+def write_heldout(out: Path, seed: int) -> None:
+    """prompts_eval_heldout.jsonl: the held-out-source categories, the follow-ups answered by the target."""
+    from targets import DEFAULT_TARGET, load_target
+
+    rows = heldout_prompts(seed)
+    model, tokenizer = load_target(DEFAULT_TARGET)
+    rows = answer_first_turns(rows, model, tokenizer)
+    out.mkdir(parents=True, exist_ok=True)
+    write_jsonl(out / "prompts_eval_heldout.jsonl", rows)
+    counts: dict[str, int] = {}
+    for row in rows:
+        counts[row["source"]] = counts.get(row["source"], 0) + 1
+    print(f"{out / 'prompts_eval_heldout.jsonl'}: {len(rows)} rows {counts}")
 
 
 if __name__ == "__main__":

@@ -80,8 +80,8 @@ def eval_loss(
 @torch.no_grad()
 def check_tau_target(target: nn.Module, prompts: int) -> None:
     """Refuse, before training starts, a simulated-tau evaluation (`prompts` > 0) on a target that
-    `decode.generate` cannot decode (a hybrid with recurrent layers: `decode.inputs.attention_windows`); heads
-    train on such a target's hidden states without it."""
+    `decode.generate` cannot decode (chunked attention, other cache kinds: `decode.inputs.attention_windows`);
+    heads train on such a target's hidden states without it."""
     from decode.inputs import attention_windows  # train -> decode, lazy as in `simulated_tau`
 
     if prompts > 0:

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import pad_sequence
 
 from decode.drafter import Drafter, DraftLimits, tree_visibility
+from decode.inputs import recurrent_layer_indices
 from decode.verify import target_cache
 from heads.eagle import additive_mask
 
@@ -52,6 +53,12 @@ def check_draft_model(draft: nn.Module, target: nn.Module) -> None:
         )
     if draft.device != target.device:
         raise ValueError(f"the draft model is on {draft.device}, the target on {target.device}")
+    recurrent = recurrent_layer_indices(draft)
+    if recurrent:
+        raise ValueError(
+            f"the draft model's layers {recurrent} keep recurrent state (a hybrid): a draft model drafts "
+            "trees over a KV cache; use a draft model whose every layer attends"
+        )
 
 
 class ModelDrafter(Drafter):

@@ -11,13 +11,15 @@ from benchmarks.benchmark import (
     Method,
     Tally,
     as_tree,
+    at_lengths,
     build_methods,
     load_prompts,
     lookup_counts,
+    pooled_labels,
     result_rows,
     rotated,
 )
-from benchmarks.report import plots, render
+from benchmarks.report import columns, plots, render
 from decode import DEFAULT_EAGLE_TREE, DEFAULT_TREES, DynamicTree
 from heads import EagleConfig, EagleHead, MedusaConfig, MedusaHeads, save_heads
 
@@ -220,7 +222,7 @@ def test_render_of_a_known_record():
     t1, t0 = text.index("### Temperature 1: tau / speedup"), text.index("### Temperature 0: tau / speedup")
     assert t1 < t0  # tables in the order of the rows (the order of --temperatures)
     header = (
-        "| method | tree | chat | instruction | code | all | tok/s (all) | plain tok/s (all) | "
+        "| method | tree | chat | all | tok/s (all) | plain tok/s (all) | "
         "acceptance per depth (all) | same as plain |"
     )
     assert text.count(header) == 2
@@ -255,3 +257,27 @@ def test_plots_are_written(tmp_path):
     pytest.importorskip("matplotlib")
     assert plots(RECORD, tmp_path) == ["acceptance.png", "speedup_vs_tree.png"]
     assert all((tmp_path / name).stat().st_size > 0 for name in ("acceptance.png", "speedup_vs_tree.png"))
+
+
+def test_columns_group_each_length_with_its_pooled_kinds():
+    """In-source and held-out-source categories side by side at each length, each kind pooled after them."""
+    labels = ["chat", "summary", "in-source", "held-out", "all", "chat@64", "summary@64", "in-source@64"]
+    labels += ["held-out@64"]
+    rows = [{"category": c} for c in labels]
+    assert columns(rows) == {
+        "": ["chat", "summary", "in-source", "held-out", "all"],
+        "64": ["chat@64", "summary@64", "in-source@64", "held-out@64"],
+    }
+    assert pooled_labels("summary@64") == ["held-out@64", "all"]
+    assert pooled_labels("code") == ["in-source", "all"]
+
+
+def test_at_lengths_adds_a_column_per_category_at_each_later_length():
+    prompts = {"chat": [{"id": i} for i in range(4)], "summary": [{"id": i} for i in range(4)]}
+    columns = at_lengths(prompts, [64, 256], long_prompts=2)
+    assert {label: (len(rows), n) for label, (rows, n) in columns.items()} == {
+        "chat": (4, 64),
+        "summary": (4, 64),
+        "chat@256": (2, 256),
+        "summary@256": (2, 256),
+    }

@@ -173,7 +173,8 @@ def test_bench_runs_every_method_and_writes_reports(tmp_path, tiny_target_dir, h
         "EAGLE-3 dynamic 3/2/5",
     }
     for row in results["rows"]:
-        assert row["temperature"] in (0.0, 1.0) and row["category"] in ("chat", "instruction", "code", "all")
+        assert row["temperature"] in (0.0, 1.0)
+        assert row["category"] in ("chat", "instruction", "code", "in-source", "all")
         assert row["tau"] >= 1.0 and row["speedup"] > 0 and row["tokens_per_second"] > 0
         assert all(0.0 <= a <= 1.0 for a in row["acceptance_per_depth"])
         # ours: exactly plain greedy decoding
@@ -187,7 +188,7 @@ def test_bench_runs_every_method_and_writes_reports(tmp_path, tiny_target_dir, h
             assert row["draft_nodes_per_step"] > 0
     cells = {(r["method"], r["temperature"], r["category"]) for r in results["rows"]}
     assert len(cells) == len(results["rows"])  # one row per method, temperature and category
-    assert {c for (_, _, c) in cells} == {"chat", "instruction", "code", "all"}
+    assert {c for (_, _, c) in cells} == {"chat", "instruction", "code", "in-source", "all"}
     for name in ("eagle3", "medusa1"):
         sizing = results["sizing"][name]
         assert set(sizing["verify_ms"]) and all(ms > 0 for ms in sizing["verify_ms"].values())
@@ -234,6 +235,33 @@ def test_bench_int8_drafts_by_default_stay_lossless_and_are_reported(
         "EAGLE-3 + lookup",
     }
     assert all(r["identical_to_plain"] == r["prompts"] for r in rows)
+
+
+def test_bench_reports_held_out_sources_at_two_lengths_and_chains(
+    tmp_path, tiny_target_dir, head_dirs, capsys
+):
+    """--heldout adds the held-out-source categories; two --max-new-tokens decode every category at each,
+    pooled per kind (in-source, held-out); --chain adds each head's chain of N drafts."""
+    bench = runpy.run_path(str(SCRIPT))
+    argv = ["--model", str(tiny_target_dir), "--eagle3", str(head_dirs / "eagle3"), "--peagle"]
+    argv += [str(head_dirs / "peagle"), "--prompts", "1", "--heldout", "--max-new-tokens", "6", "10"]
+    argv += ["--long-prompts", "1", "--chain", "2", "--temperatures", "0", "--threads", "1"]
+    results = bench["main"]([*argv, "--out", str(tmp_path / "out")])
+    printed = capsys.readouterr().out
+    categories = ("chat", "instruction", "code", "summary", "open_qa", "creative", "system", "followup")
+    pooled = ("in-source", "held-out")
+    expected = {*categories, *pooled, "all"} | {f"{c}@10" for c in (*categories, *pooled)}
+    assert {r["category"] for r in results["rows"]} == expected
+    assert {"EAGLE-3 chain 2", "P-EAGLE chain 2"} <= {r["method"] for r in results["rows"]}
+    for row in results["rows"]:
+        assert row["identical_to_plain"] == row["prompts"] or row["method"] == "prompt lookup (transformers)"
+        if row["method"] == "EAGLE-3 chain 2":
+            assert row["draft_nodes_per_step"] <= 2
+        if row["category"] == "held-out@10":  # one prompt of each of the five categories, 10 tokens each
+            assert row["prompts"] == 5 and row["tokens"] <= 50
+    assert results["lengths"]["summary@10"] == 10 and results["lengths"]["summary"] == 6
+    assert "### Temperature 0, 10 new tokens: tau / speedup per category" in printed
+    assert "| summary | open_qa | creative | system | followup | in-source | held-out | all |" in printed
 
 
 def test_bench_medusa1_tree_needs_the_sizing(tmp_path, head_dirs, capsys):

@@ -1,7 +1,8 @@
 """Tiny random targets of the architectures drafters are trained for today (MoE, MLA, gpt-oss's sinks and
 sliding windows, layers without rope, ...): taps, one recipe step per head type, exports, lossless greedy
 decoding at B = 1 and 2, and sampling's chi-square on one MoE and one MLA target. Hybrid targets (linear
-attention, Mamba) train and export; decoding refuses them before any work."""
+attention, Mamba) train, export and decode losslessly along chains, their recurrent state rolled back to the
+accepted prefix (with a negative control), and sample from the target's distribution."""
 
 from __future__ import annotations
 
@@ -16,12 +17,14 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from decode import DynamicTree, generate, prepare
 from decode.accept import target_probs
+from decode.tree import chain
 from engines.export import export_head, import_head, validate_export
 from heads import FeatureCapture
 from heads.features import LAST, find_decoder_layers
 from heads.medusa import MedusaConfig, MedusaHeads
 from heads.registry import kind_for_head_type
 from tests.conftest import TINY as FAMILIAR
+from tests.conftest import RankOracle
 from tests.decode.test_lossless_sampling import bigram_pvalue
 from train.config import EagleTrainConfig, MedusaTrainConfig
 from train.data import collate
@@ -324,7 +327,9 @@ def _peaky(arch: str) -> torch.nn.Module:
     return model
 
 
-def _sampling_pvalue(model: torch.nn.Module, heads, batch: int = 1, **kwargs) -> tuple[float, float]:
+def _sampling_pvalue(
+    model: torch.nn.Module, heads, batch: int = 1, tree=SAMPLING_TREE, **kwargs
+) -> tuple[float, float]:
     """Chi-square of (previous token, token) counts against the summed exact target probabilities of each
     emitted token's context (cells expecting fewer than 5 pooled), over RUNS sequences decoded `batch` at a
     time; and the mean tau. `kwargs` go to `generate`."""
@@ -335,7 +340,7 @@ def _sampling_pvalue(model: torch.nn.Module, heads, batch: int = 1, **kwargs) ->
             SAMPLING_PROMPT.expand(batch, -1),
             heads,
             max_new_tokens=SAMPLED,
-            tree=SAMPLING_TREE,
+            tree=tree,
             temperature=1.0,
             seed=1000 + run,
             **kwargs,
@@ -389,26 +394,135 @@ def test_hybrid_targets_train_on_their_hidden_states_and_export(hybrid, head_typ
     _check_exports(hybrid.config.model_type, head_type, tmp_path)
 
 
-def test_decoding_refuses_hybrid_targets_before_any_work(hybrid, monkeypatch):
+def test_hybrid_plain_decoding_equals_the_models_own_forward(hybrid):
+    arch = hybrid.config.model_type
+    for row, prompt in enumerate(_rows()):
+        assert _plain(arch, row)[0][: len(prompt) + NEW] == _recomputed(hybrid, prompt, NEW), row
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("head_type", HEAD_TYPES)
+def test_trained_heads_decode_hybrid_targets_losslessly(hybrid, head_type, batch):
+    """The default tree on a hybrid: a chain of `HYBRID_CHAIN` drafts (`decode.recurrent`)."""
+    arch = hybrid.config.model_type
+    replies, _ = _decode(arch, _trained(arch, head_type)[0], batch)
+    for row, reply in enumerate(replies):
+        prompt = len(_rows()[row])
+        assert reply == _plain(arch, row)[0][prompt : prompt + NEW], (head_type, row)
+
+
+def _oracle_chain(arch: str, batch: int) -> tuple[list[list[int]], list[float]]:
+    """An oracle that drafts the true token first 70% of the time, along chains of 4: most steps accept part
+    of their chain (a rollback), some all of it; the rows of a batch accept different lengths."""
+    oracles = []
+    for row in range(batch):
+        sequence, features = _plain(arch, row)
+        oracles.append(RankOracle(sequence, V, [0.7], seed=row, features=features))
+    return _decode(arch, oracles if batch > 1 else oracles[0], batch, tree=chain(4))
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_partly_accepted_chains_roll_the_recurrent_state_back(hybrid, batch, monkeypatch):
+    """Each row takes the state its layers recorded after its last accepted token: no forward is run again."""
+    arch = hybrid.config.model_type
+    replays = _count_calls(monkeypatch, "replay")
+    replies, taus = _oracle_chain(arch, batch)
+    for row, reply in enumerate(replies):
+        prompt = len(_rows()[row])
+        assert reply == _plain(arch, row)[0][prompt : prompt + NEW], row
+    assert min(taus) > 1.5, taus
+    assert replays == [], "the recorded states were not used"
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_layers_that_record_no_states_are_rolled_back_by_running_the_accepted_tokens_again(
+    hybrid, batch, monkeypatch
+):
+    """A model whose layers compute no intermediate states (recording asked for none here): the rows that
+    accepted less than their chain are run again from the state before the pass (`decode.batch.replay`)."""
+    generate_module = importlib.import_module("decode.generate")
+    record = generate_module.record
+    monkeypatch.setattr(generate_module, "record", lambda cache, tokens: record(cache, 0))
+    replays = _count_calls(monkeypatch, "replay")
+    arch = hybrid.config.model_type
+    replies, _ = _oracle_chain(arch, batch)
+    for row, reply in enumerate(replies):
+        prompt = len(_rows()[row])
+        assert reply == _plain(arch, row)[0][prompt : prompt + NEW], row
+    assert replays, "nothing was run again"
+
+
+def _count_calls(monkeypatch, name: str) -> list:
+    """Wrap `decode.generate.<name>` to note its calls in the returned list."""
+    module = importlib.import_module("decode.generate")
+    wrapped, calls = getattr(module, name), []
+
+    def counted(*args):
+        calls.append(args)
+        return wrapped(*args)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "granitemoehybrid"])
+def test_negative_control_without_the_rollback_the_replies_change(arch, monkeypatch):
+    """Keeping the state that took in the rejected drafts (every row settled at the end of its chain) gives
+    other replies: the lossless tests above would catch a rollback that does not happen. (A one-step head's
+    drafts are mostly rejected.)"""
+    module = importlib.import_module("decode.generate")
+    settle = module.settle
+    monkeypatch.setattr(module, "settle", lambda cache, kept, n: settle(cache, torch.full_like(kept, n), n))
+    replies, _ = _decode(arch, _trained(arch, "eagle3")[0], 2)
+    plain = [_plain(arch, row)[0][len(prompt) : len(prompt) + NEW] for row, prompt in enumerate(_rows())]
+    assert replies != plain
+
+
+def test_hybrid_targets_refuse_branching_trees_before_any_work(hybrid, monkeypatch):
     head = _trained(hybrid.config.model_type, "eagle3")[0]
+    medusa = _trained(hybrid.config.model_type, "medusa")[0]
 
     def no_forward(*args, **kwargs):
         raise AssertionError("the target ran before the refusal")
 
     monkeypatch.setattr(hybrid, "forward", no_forward)
-    message = r"is a hybrid target: its layers \[\d.*\] keep recurrent state \(linear attention or Mamba\)"
-    for heads in (None, head):
-        with pytest.raises(ValueError, match=message + ".*tree cannot share that state"):
-            generate(hybrid, PROMPTS, heads, max_new_tokens=4)
-    with pytest.raises(ValueError, match=message):
-        prepare(hybrid)
+    message = r"is a hybrid target \(layers with recurrent state\): it verifies chains only"
+    for heads, tree in (
+        (head, DynamicTree(depth=3, top_k=2, total_tokens=6)),
+        (medusa, [(0,), (1,), (0, 0)]),
+    ):
+        with pytest.raises(ValueError, match=message):
+            generate(hybrid, PROMPTS, heads, max_new_tokens=4, tree=tree)
+    prepare(hybrid)  # nothing to refuse without a tree
 
 
-def test_a_recipe_refuses_the_simulated_tau_on_a_hybrid_before_training(hybrid):
-    """The recipes' simulated tau decodes: on a hybrid it is refused when the run starts (not at its first
-    evaluation), naming the way out; without it the recipe trains."""
+def test_speculative_sampling_on_a_hybrid_follows_the_target_distribution():
+    arch = "qwen3_next"
+    sizes = {"hidden_size": 16, "num_hidden_layers": 2, "vocab_size": SAMPLING_VOCAB}
+    model = _target(arch, **sizes, full_attention_interval=2)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(6.0)
+    pvalue, tau = _sampling_pvalue(model, _medusa(), tree=chain(3))
+    assert tau >= 1.2, f"drafts were rarely accepted (tau {tau:.2f}): the test would be vacuous"
+    assert pvalue > 1e-3, f"{arch}: sampling deviates from the target (chi-square p={pvalue:.2e})"
+
+
+def test_the_recipes_simulated_tau_decodes_hybrids_and_refuses_chunked_attention():
+    """The recipes' simulated tau decodes: a target decoding cannot serve (chunked attention) is refused
+    when the run starts (not at its first evaluation), naming the way out; a hybrid is served."""
     from train.evaluate import check_tau_target
 
-    with pytest.raises(ValueError, match=r"keep recurrent state.*set train.eval_tau_prompts=0"):
-        check_tau_target(hybrid, 20)
-    check_tau_target(hybrid, 0)
+    for arch in HYBRIDS:
+        check_tau_target(_target(arch), 20)
+    chunked = _target("llama", attention_chunk_size=4)
+    with pytest.raises(ValueError, match=r"chunked attention.*set train.eval_tau_prompts=0"):
+        check_tau_target(chunked, 20)
+    check_tau_target(chunked, 0)
+
+
+def test_a_hybrid_draft_model_is_refused():
+    """A draft model drafts trees over its own KV cache: a hybrid one is refused, naming its layers."""
+    from decode.drafters.model import DraftModel
+
+    with pytest.raises(ValueError, match=r"the draft model's layers \[0, 1, 2\] keep recurrent state"):
+        generate(_target("llama"), PROMPTS[:1], DraftModel(_target("qwen3_next")), max_new_tokens=4)

