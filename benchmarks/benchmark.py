@@ -517,6 +517,7 @@ def benchmark(
     block_budgets=(),
     chains=(),
     lengths: dict[str, int] | None = None,
+    only=(),
     pretranspose: bool | None = None,
     int8_draft: bool | None = None,
     onednn: bool | None = None,
@@ -529,12 +530,18 @@ def benchmark(
         model, tokenizer, model_name: the target, its tokenizer, and its name or folder.
         paths: head folders by name, as `build_methods` takes them.
         prompts, calibration_rows: from `load_prompts` (the columns of `at_lengths`, with `lengths`).
+        only: method names to keep (the sized ones are added after); empty: all.
         pretranspose, int8_draft, onednn: `decode.prepare`'s options, the same for every method, plain
             decoding included (None: where they help on this device).
     """
     methods, loaded, targets = build_methods(
         model, model_name, paths, eagle3_trees, medusa1_trees, draft_layers, block_budgets, chains
     )
+    if only:  # the methods named (exactly) and the cost-model sized ones, plain decoding always
+        unknown = sorted(set(only) - {m.name for m in methods})
+        if unknown:
+            raise SystemExit(f"--only {unknown}: no such method; known: {[m.name for m in methods]}")
+        methods = [m for m in methods if m.name in only]
     layout = {"pretranspose": pretranspose, "int8_draft": int8_draft, "onednn": onednn}
     results: dict = {
         "model": model_name,

@@ -67,6 +67,8 @@ def parse_args(argv: list[str] | None, description: str = "") -> argparse.Namesp
         "data/smollm2/prompts_eval_heldout.jsonl, sources no training file reads)"
     )
     add("--heldout", action="store_true", help=heldout)
+    only = "decode only these methods (exact names, as the tables print them), plus the sized ones"
+    add("--only", nargs="+", default=[], metavar="METHOD", help=only)
     add(
         "--chain",
         type=int,

@@ -76,6 +76,7 @@ def main(argv: list[str] | None = None) -> dict:
             max_new_tokens=args.max_new_tokens[0],
             lengths={label: n for label, (_, n) in columns.items()},
             chains=args.chain,
+            only=args.only,
             repeats=args.repeats,
             seed=args.seed,
             size_tree=args.size_tree,

@@ -21,8 +21,9 @@ import random
 from pathlib import Path
 
 from heads.files import write_jsonl
+from train.broad import broad_prompts, committed_chats
 from train.domains import domain_prompts, function_key
-from train.heldout import answer_first_turns, heldout_prompts
+from train.heldout import answer_first_turns, country_names, element_names, heldout_prompts
 from train.prompts import (
     CHITCHAT,
     HUMAN_EVAL,
@@ -52,9 +53,18 @@ def main() -> None:
         help="write only prompts_eval_heldout.jsonl, the held-out-source benchmark (train/heldout.py): its "
         "follow-up rows hold the default target's own first reply, so the target is loaded",
     )
+    parser.add_argument(
+        "--broad",
+        action="store_true",
+        help="write only prompts_train_broad.jsonl, the third training pool (train/broad.py: summaries, "
+        "explanations, long-form writing, system prompts, follow-ups), from the committed files",
+    )
     args = parser.parse_args()
     if args.heldout:
         write_heldout(args.out, args.seed)
+        return
+    if args.broad:
+        write_broad(args.out, args.seed)
         return
 
     code_rows, entry_points = human_eval_prompts(fetch(*HUMAN_EVAL))
@@ -124,6 +134,29 @@ def write_heldout(out: Path, seed: int) -> None:
     for row in rows:
         counts[row["source"]] = counts.get(row["source"], 0) + 1
     print(f"{out / 'prompts_eval_heldout.jsonl'}: {len(rows)} rows {counts}")
+
+
+def write_broad(out: Path, seed: int) -> None:
+    """prompts_train_broad.jsonl: the third pool, less near duplicates of every evaluation prompt."""
+    import json
+
+    def rows(name: str) -> list[dict]:
+        return [json.loads(line) for line in (out / name).read_text().splitlines()]
+
+    evaluation = [
+        row
+        for name in ("prompts_eval.jsonl", "prompts_eval_domains.jsonl", "prompts_code_eval.jsonl")
+        for row in rows(name)
+    ] + rows("prompts_eval_heldout.jsonl")
+    held_topics = {name.lower() for name in element_names() + country_names()}
+    chats = [c for c in committed_chats(out) if not c["source"].startswith(("code_", "math_", "task_"))]
+    pool = broad_prompts(chats, held_topics, seed)
+    pool, near = drop_near_duplicates(pool, evaluation)
+    write_jsonl(out / "prompts_train_broad.jsonl", pool)
+    counts: dict[str, int] = {}
+    for row in pool:
+        counts[row["source"]] = counts.get(row["source"], 0) + 1
+    print(f"{out / 'prompts_train_broad.jsonl'}: {len(pool)} rows {counts}; near duplicates dropped: {near}")
 
 
 if __name__ == "__main__":

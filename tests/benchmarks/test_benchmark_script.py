@@ -245,14 +245,15 @@ def test_bench_reports_held_out_sources_at_two_lengths_and_chains(
     bench = runpy.run_path(str(SCRIPT))
     argv = ["--model", str(tiny_target_dir), "--eagle3", str(head_dirs / "eagle3"), "--peagle"]
     argv += [str(head_dirs / "peagle"), "--prompts", "1", "--heldout", "--max-new-tokens", "6", "10"]
-    argv += ["--long-prompts", "1", "--chain", "2", "--temperatures", "0", "--threads", "1"]
+    argv += ["--long-prompts", "1", "--chain", "2", "--temperatures", "0", "--threads", "1", "--only"]
+    argv += ["EAGLE-3 dynamic", "EAGLE-3 chain 2", "P-EAGLE chain 2"]
     results = bench["main"]([*argv, "--out", str(tmp_path / "out")])
     printed = capsys.readouterr().out
     categories = ("chat", "instruction", "code", "summary", "open_qa", "creative", "system", "followup")
     pooled = ("in-source", "held-out")
     expected = {*categories, *pooled, "all"} | {f"{c}@10" for c in (*categories, *pooled)}
     assert {r["category"] for r in results["rows"]} == expected
-    assert {"EAGLE-3 chain 2", "P-EAGLE chain 2"} <= {r["method"] for r in results["rows"]}
+    assert {r["method"] for r in results["rows"]} == {"EAGLE-3 dynamic", "EAGLE-3 chain 2", "P-EAGLE chain 2"}
     for row in results["rows"]:
         assert row["identical_to_plain"] == row["prompts"] or row["method"] == "prompt lookup (transformers)"
         if row["method"] == "EAGLE-3 chain 2":
@@ -331,3 +332,13 @@ def test_bench_dynamic_trees_name_what_is_wrong(tmp_path, head_dirs, capsys, val
         with pytest.raises(SystemExit):
             bench["main"](["--eagle3", str(head_dirs / "eagle3"), option, *values, "--out", str(tmp_path)])
         assert f"{option} {' '.join(values)}: {message}" in capsys.readouterr().err
+
+
+def test_bench_only_names_an_unknown_method(tmp_path, tiny_target_dir, head_dirs):
+    bench = runpy.run_path(str(SCRIPT))
+    argv = ["--model", str(tiny_target_dir), "--eagle3", str(head_dirs / "eagle3"), "--prompts", "1"]
+    argv += ["--temperatures", "0", "--only", "EAGLE-3 dynamc", "--out", str(tmp_path / "out")]
+    with pytest.raises(
+        SystemExit, match=r"--only \['EAGLE-3 dynamc'\]: no such method; known: .*EAGLE-3 dynamic"
+    ):
+        bench["main"](argv)

