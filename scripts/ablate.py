@@ -4,7 +4,8 @@ format). Rerun the same command to resume: finished arms are skipped, an interru
     python scripts/ablate.py configs/ablation/smollm2.yaml [--arms baseline ttt5] [--no-train] [--dump-only]
 
 Prompts per category: chat and instruction from data/smollm2/prompts_eval.jsonl, code from HumanEval
-(prompts_code_eval.jsonl), the benchmark's own (benchmarks.benchmark.load_prompts), never trained on. Writes
+(prompts_code_eval.jsonl), the benchmark's own (benchmarks.benchmark.load_prompts), never trained on; with the
+spec's `heldout: true` also the held-out-source categories, pooled per kind with their ratio. Writes
 ablation.json and ablation.md to the spec's output_dir and prints the table.
 """
 
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     classes = {"eagle": EagleRunConfig, "medusa": MedusaRunConfig}
     base = load_config(classes[spec.recipe], spec.base, spec.overrides)
     model, tokenizer = load_target(base.model.target)
-    prompts, _ = load_prompts(DATA, spec.prompts, 0)
+    prompts, _ = load_prompts(DATA, spec.prompts, 0, heldout=spec.heldout)
     results = []
     for record in records:
         for result in judge_arm(model, tokenizer, spec, record, prompts):

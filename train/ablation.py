@@ -15,6 +15,7 @@ The spec is a YAML file:
     hidden_states: offline             # optional (eagle): dump the target's states once, every arm reads them
     prompts: 10                        # held-out prompts per category
     new_tokens: 64
+    heldout: true                      # optional: also the held-out-source categories, pooled per kind
     arms:                              # name -> its own overrides; the first is the reference
       baseline: []
       ttt5: [eagle.ttt_steps=5]
@@ -54,6 +55,7 @@ class AblationSpec:
     prompts: int = 10
     new_tokens: int = 64
     hidden_states: str = "online"
+    heldout: bool = False  # also judge on the held-out-source categories (benchmarks.benchmark.load_prompts)
 
     @property
     def states_dir(self) -> Path | None:
@@ -100,6 +102,8 @@ def load_spec(path: str | Path) -> AblationSpec:
         raise ValueError(
             f"{path}: hidden_states: offline needs recipe eagle (its dump), found {raw['recipe']!r}"
         )
+    if not isinstance(raw.get("heldout", False), bool):
+        raise TypeError(f"{path}: heldout must be true or false, found {raw['heldout']!r}")
     for key in ("prompts", "new_tokens"):
         if key in raw and (not isinstance(raw[key], int) or raw[key] < 1):
             raise ValueError(f"{path}: {key} must be a positive integer, found {raw[key]!r}")
@@ -112,6 +116,7 @@ def load_spec(path: str | Path) -> AblationSpec:
         prompts=raw.get("prompts", 10),
         new_tokens=raw.get("new_tokens", 64),
         hidden_states=raw.get("hidden_states", "online"),
+        heldout=raw.get("heldout", False),
     )
 
 
@@ -221,7 +226,37 @@ def _pooled_tau(model, tokenizer, head, rows: list[dict], new_tokens: int, batch
         "tau": emitted / steps if steps else 1.0,
         "tau_median": statistics.median(r.tau for r in results),
         "prompts": len(rows),
+        "emitted": emitted,
+        "steps": steps,
+        "taus": [r.tau for r in results],
     }
+
+
+def pooled_kinds(taus: dict[str, dict]) -> dict[str, dict]:
+    """`taus` ({category: `_pooled_tau` record}) with, when it holds held-out-source categories, the pooled
+    "in-source" and "held-out" records and their ratio ("held-out / in-source": what generalisation is judged
+    by)."""
+    from benchmarks.benchmark import CATEGORIES, HELDOUT_CATEGORIES  # lazy, as in `_pooled_tau`
+
+    out = dict(taus)
+    kinds = {"in-source": CATEGORIES, "held-out": HELDOUT_CATEGORIES}
+    if not any(c in taus for c in HELDOUT_CATEGORIES):
+        return out
+    for kind, names in kinds.items():
+        parts = [taus[c] for c in names if c in taus]
+        emitted, steps = sum(p["emitted"] for p in parts), sum(p["steps"] for p in parts)
+        every = [t for p in parts for t in p["taus"]]
+        out[kind] = {
+            "tau": emitted / steps if steps else 1.0,
+            "tau_median": statistics.median(every) if every else 1.0,
+            "prompts": len(every),
+            "emitted": emitted,
+            "steps": steps,
+            "taus": every,
+        }
+    ratio = out["held-out"]["tau"] / out["in-source"]["tau"] if out["in-source"]["steps"] else float("nan")
+    out["held-out / in-source"] = {"tau": ratio, "tau_median": ratio, "prompts": 0}
+    return out
 
 
 def evaluate_arm(
@@ -233,10 +268,12 @@ def evaluate_arm(
 
     head = load_heads(head_dir, model)
     with torch.no_grad():
-        return {
-            category: _pooled_tau(model, tokenizer, head, rows, new_tokens, batch_size)
-            for category, rows in prompts.items()
-        }
+        return pooled_kinds(
+            {
+                category: _pooled_tau(model, tokenizer, head, rows, new_tokens, batch_size)
+                for category, rows in prompts.items()
+            }
+        )
 
 
 def arm_heads(arm_dir: Path) -> list[Path]:

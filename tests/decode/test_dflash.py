@@ -103,17 +103,23 @@ def test_taps_spread_as_dflash_spreads_them():
 def test_greedy_output_equals_plain_decoding(tiny_target, tree):
     """With the default static tree, a best-first tree, a chain, and after `decode.prepare` (the CPU layout
     and, where fbgemm runs, int8 layers but fc): the same tokens as plain decoding, alone and in a batch."""
-    head = _head(tiny_target, vocab=48)
+    assert_greedy_equals_plain(tiny_target, _head(tiny_target, vocab=48), tree)
+
+
+def assert_greedy_equals_plain(target, head, tree: str) -> None:
+    """A block head's greedy output equals plain decoding's on 3 left-padded rows, with the `tree` named
+    ("static": the default, "best-first", "chain", or "prepared": best-first after `decode.prepare`), and its
+    drafts were offered."""
     trees = {"static": None, "best-first": BestFirstTree(6), "chain": [(0,) * d for d in range(1, 5)]}
     if tree == "prepared":
-        target = copy.deepcopy(tiny_target)
+        target = copy.deepcopy(target)
         head = prepare(target, head, BestFirstTree(6))
-        trees["prepared"], tiny_target = BestFirstTree(6), target
-    ids = torch.randint(1, tiny_target.config.vocab_size, (3, 9))
+        trees["prepared"] = BestFirstTree(6)
+    ids = torch.randint(1, target.config.vocab_size, (3, 9))
     mask = torch.ones_like(ids)
     mask[0, :4] = mask[2, :2] = 0
-    plain = generate(tiny_target, ids, None, max_new_tokens=16, attention_mask=mask)
-    drafted = generate(tiny_target, ids, head, max_new_tokens=16, attention_mask=mask, tree=trees[tree])
+    plain = generate(target, ids, None, max_new_tokens=16, attention_mask=mask)
+    drafted = generate(target, ids, head, max_new_tokens=16, attention_mask=mask, tree=trees[tree])
     assert drafted.sequences.tolist() == plain.sequences.tolist()
     assert min(drafted.draft_nodes) > 0  # the drafts were offered
 

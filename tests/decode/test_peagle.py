@@ -2,15 +2,13 @@
 chain's placeholders as decoding does, batches equal rows alone, decoding is lossless, and a head trained on
 the target's own continuation drafts whole chains from one forward."""
 
-import copy
-
 import pytest
 import torch
 
-from decode import BestFirstTree, generate, prepare
+from decode import generate
 from decode.drafters.peagle import PEagleDrafter
 from heads.peagle import PEagleConfig, PEagleHead
-from tests.decode.test_dflash import _taps, assert_batch_equals_rows
+from tests.decode.test_dflash import _taps, assert_batch_equals_rows, assert_greedy_equals_plain
 from train.block_losses import peagle_chains, peagle_hidden, peagle_loss
 
 
@@ -70,19 +68,7 @@ def test_a_batch_equals_each_row_alone_through_uneven_advances_and_leaving_rows(
 def test_greedy_output_equals_plain_decoding(tiny_target, tree):
     """With the default static tree, a best-first tree, a chain, and after `decode.prepare`: the same tokens
     as plain decoding, alone and in a batch with left padding."""
-    head = _head(tiny_target, vocab=48)
-    trees = {"static": None, "best-first": BestFirstTree(6), "chain": [(0,) * d for d in range(1, 5)]}
-    if tree == "prepared":
-        target = copy.deepcopy(tiny_target)
-        head = prepare(target, head, BestFirstTree(6))
-        trees["prepared"], tiny_target = BestFirstTree(6), target
-    ids = torch.randint(1, tiny_target.config.vocab_size, (3, 9))
-    mask = torch.ones_like(ids)
-    mask[0, :4] = mask[2, :2] = 0
-    plain = generate(tiny_target, ids, None, max_new_tokens=16, attention_mask=mask)
-    drafted = generate(tiny_target, ids, head, max_new_tokens=16, attention_mask=mask, tree=trees[tree])
-    assert drafted.sequences.tolist() == plain.sequences.tolist()
-    assert min(drafted.draft_nodes) > 0
+    assert_greedy_equals_plain(tiny_target, _head(tiny_target, vocab=48), tree)
 
 
 def test_a_head_trained_on_the_targets_continuation_drafts_it(build_target):

@@ -22,6 +22,7 @@ from train.ablation import (
     evaluate_arm,
     judge_arm,
     load_spec,
+    pooled_kinds,
     render,
     run_arm,
     write_results,
@@ -59,6 +60,43 @@ def test_spec_errors_name_the_file_and_the_key(tmp_path, fields, message):
     with pytest.raises(ValueError, match=message) as info:
         load_spec(path)
     assert str(path) in str(info.value)
+
+
+def test_spec_heldout_must_be_a_boolean(tmp_path):
+    path = _spec_file(tmp_path, heldout="yes")
+    with pytest.raises(TypeError, match="heldout must be true or false, found 'yes'"):
+        load_spec(path)
+    assert load_spec(_spec_file(tmp_path, heldout=True)).heldout
+
+
+def test_pooled_kinds_pool_each_kind_over_its_prompts_and_give_their_ratio():
+    """Pooled as the benchmark pools: emitted tokens over verify steps of every prompt of the kind."""
+
+    def record(emitted, steps, taus):
+        return {"tau": emitted / steps, "tau_median": 0.0, "prompts": len(taus), "emitted": emitted} | {
+            "steps": steps,
+            "taus": taus,
+        }
+
+    taus = {
+        "chat": record(30, 10, [3.0, 3.0]),
+        "code": record(10, 10, [1.0]),
+        "summary": record(20, 10, [2.0]),
+    }
+    pooled = pooled_kinds(taus)
+    assert pooled["in-source"]["tau"] == 2.0 and pooled["in-source"]["taus"] == [3.0, 3.0, 1.0]
+    assert pooled["held-out"]["tau"] == 2.0 and pooled["held-out / in-source"]["tau"] == 1.0
+    assert pooled_kinds({"chat": taus["chat"]}) == {"chat": taus["chat"]}  # no held-out category: as it was
+
+
+def test_the_committed_generalisation_spec_judges_held_out_sources():
+    spec = load_spec(ROOT / "configs" / "ablation" / "generalise.yaml")
+    assert spec.heldout and next(iter(spec.arms)) == "baseline"
+    for name in spec.arms:
+        cfg = load_config(EagleRunConfig, ROOT / spec.base, arm_command(spec, name)[3:])
+        assert cfg.train.max_steps == 600
+    broad = load_config(EagleRunConfig, ROOT / spec.base, arm_command(spec, "broad_long")[3:])
+    assert any("regen_broad" in f for f in broad.data.train_files) and broad.data.max_length == 1024
 
 
 def test_spec_file_must_hold_every_required_key_and_a_mapping(tmp_path):
