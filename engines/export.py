@@ -282,6 +282,29 @@ def _target_tensors(target) -> tuple[Tensor | None, Tensor | None, object]:
     return (target.get_input_embeddings().weight, target.get_output_embeddings().weight, target.config)
 
 
+def verifier_architectures(target_config) -> list[str]:
+    """The verifier's `architectures` an export names: the target config's own; for a config built in code
+    (none recorded) transformers' causal-LM class of its model type (a tiny qwen3 target is a
+    Qwen3ForCausalLM, not a llama); without a target config, a llama, as the exports assumed before."""
+    if target_config is None:
+        return ["LlamaForCausalLM"]
+    named = list(getattr(target_config, "architectures", None) or [])
+    if named:
+        return named
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = target_config.model_type
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type) or MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(
+        _text(target_config).model_type
+    )
+    if name is None:
+        raise ValueError(
+            f"the target config (model_type {model_type!r}) names no architectures and transformers has no "
+            "causal-LM class for its model type: set config.architectures"
+        )
+    return [name]
+
+
 def export_head(
     head_dir_or_module: str | Path | Head,
     fmt: str,
@@ -348,7 +371,7 @@ def export_head(
         raise ValueError(f"the {fmt} format ships the target's embed_tokens: pass target= (model or path)")
     if fmt in ("medusa", "medusa-vllm") and head.lm_heads is None and lm_head is None:
         raise ValueError(f"{fmt} stores one lm_head per head; these heads share the target's: pass target=")
-    architectures = list(getattr(target_config, "architectures", None) or ["LlamaForCausalLM"])
+    architectures = verifier_architectures(target_config)
     config = _format_config(
         head,
         fmt,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import json
 
 import numpy as np
 import pytest
@@ -206,12 +207,16 @@ def test_exports_pass_their_validators_and_load_back(arch, head_type, tmp_path):
 
 
 def _check_exports(arch: str, head_type: str, tmp_path) -> None:
-    """The trained head in every format of its kind: validated, and loaded back to the same tensors."""
+    """The trained head in every format of its kind: validated, loaded back to the same tensors, and naming
+    the target's own class as its verifier (a config built in code records none)."""
     head, target = _trained(arch, head_type)[0], _target(arch)
     for fmt in kind_for_head_type(head_type).formats:
         out = tmp_path / fmt
         export_head(head, fmt, out, target=target, verifier_name=f"tiny/{arch}")  # validates before writing
         validate_export(out, fmt)
+        verifier = json.loads((out / "config.json").read_text()).get("speculators_config", {}).get("verifier")
+        if verifier is not None:
+            assert verifier["architectures"] == [type(target).__name__], fmt
         back = import_head(out, fmt, target=target)
         ours, theirs = head.state_dict(), back.state_dict()
         assert ours.keys() == theirs.keys(), fmt
