@@ -501,13 +501,21 @@ def test_hybrid_targets_refuse_branching_trees_before_any_work(hybrid, monkeypat
     prepare(hybrid)  # nothing to refuse without a tree
 
 
-def test_speculative_sampling_on_a_hybrid_follows_the_target_distribution():
-    arch = "qwen3_next"
+@functools.cache
+def _peaky_hybrid() -> torch.nn.Module:
+    """A 2-layer qwen3_next (one gated delta-net layer, one attention layer), 8 tokens, peaky."""
     sizes = {"hidden_size": 16, "num_hidden_layers": 2, "vocab_size": SAMPLING_VOCAB}
-    model = _target(arch, **sizes, full_attention_interval=2)
+    model = _target("qwen3_next", **sizes, full_attention_interval=2)
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(6.0)
-    pvalue, tau = _sampling_pvalue(model, _medusa(), tree=chain(3))
+    return model
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_speculative_sampling_on_a_hybrid_follows_the_target_distribution(batch):
+    """Chains of 3, each row's recurrent state rolled back after every partial acceptance; B = 1 and 2."""
+    arch = "qwen3_next"
+    pvalue, tau = _sampling_pvalue(_peaky_hybrid(), _medusa(), batch, tree=chain(3))
     assert tau >= 1.2, f"drafts were rarely accepted (tau {tau:.2f}): the test would be vacuous"
     assert pvalue > 1e-3, f"{arch}: sampling deviates from the target (chi-square p={pvalue:.2e})"
 
