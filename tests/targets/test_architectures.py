@@ -6,6 +6,7 @@ accepted prefix (with a negative control), and sample from the target's distribu
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib
 import json
@@ -414,6 +415,16 @@ def test_trained_heads_decode_hybrid_targets_losslessly(hybrid, head_type, batch
     for row, reply in enumerate(replies):
         prompt = len(_rows()[row])
         assert reply == _plain(arch, row)[0][prompt : prompt + NEW], (head_type, row)
+
+
+def test_a_prepared_hybrid_decodes_losslessly(hybrid):
+    """After `decode.prepare` (the CPU weight layout of the target, an int8 draft where fbgemm runs)."""
+    arch = hybrid.config.model_type
+    target, head = copy.deepcopy(hybrid), copy.deepcopy(_trained(arch, "eagle3")[0])
+    head = prepare(target, head)
+    prompt = _rows()[0]
+    reply = generate(target, prompt, head, max_new_tokens=NEW).one.sequence.tolist()
+    assert reply == _plain(arch, 0)[0][: len(prompt) + NEW]
 
 
 def _oracle_chain(arch: str, batch: int) -> tuple[list[list[int]], list[float]]:
