@@ -73,11 +73,13 @@ class DataConfig:
     group_by_length: bool = False  # batches of rows of similar lengths (less padding), train/data.py
     hidden_states: str = "online"  # online: run the target every step; offline: read states from offline_dir
     offline_dir: str | None = None  # folder of precomputed target hidden states; required when offline
+    trim_loops: int = 0  # > 0: cut a reply looping past this many repeated 8-word runs (train.data.trim_loop)
 
     def __post_init__(self) -> None:
         _one_of("hidden_states", self.hidden_states, HIDDEN_STATES)
         _require(len(self.train_files) > 0, "train_files must name at least one file")
         _at_least(self, 2, "max_length")
+        _at_least(self, 0, "trim_loops")
         _require(
             0 <= self.max_bad_fraction <= 1,
             f"max_bad_fraction must be in [0, 1], got {self.max_bad_fraction}",

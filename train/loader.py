@@ -58,13 +58,17 @@ def load_datasets(data: DataConfig, tokenizer, accelerator: Accelerator) -> tupl
     """(train, eval) datasets, rendered with the target's chat template and masked to assistant tokens."""
     with accelerator.main_process_first():
         train_set, report = build_dataset(
-            expand_files(data.train_files), tokenizer, data.max_length, data.max_bad_fraction
+            expand_files(data.train_files), tokenizer, data.max_length, data.max_bad_fraction, data.trim_loops
         )
         accelerator.print(f"train data: {report}")
         eval_set = None
         if data.eval_files:
             eval_set, eval_report = build_dataset(
-                expand_files(data.eval_files), tokenizer, data.max_length, data.max_bad_fraction
+                expand_files(data.eval_files),
+                tokenizer,
+                data.max_length,
+                data.max_bad_fraction,
+                data.trim_loops,
             )
             accelerator.print(f"eval data: {eval_report}")
         elif data.eval_fraction > 0:

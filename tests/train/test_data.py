@@ -368,3 +368,35 @@ def test_pad_token_id_falls_back_to_the_end_of_sequence_token():
     assert pad_token_id(SimpleNamespace(pad_token_id=0, eos_token_id=2)) == 0  # id 0 is a pad token too
     with pytest.raises(ValueError, match="'tok' has neither a pad nor an end-of-sequence token"):
         pad_token_id(SimpleNamespace(pad_token_id=None, eos_token_id=None, name_or_path="tok"))
+
+
+def test_trim_loop_cuts_a_looping_reply_after_its_kth_repeat():
+    from train.data import trim_loop
+
+    loop = "It is a topic that is often overlooked. "
+    text = "The airforce matters. " + loop * 10
+    cut = trim_loop(text, 3)
+    assert cut is not None and text.startswith(cut)
+    # the first 8-word run repeats at word 11 (3 + 8): the third repeat ends 8 + 2 words further
+    assert len(cut.split()) == 3 + 8 + 2 + 8
+    assert trim_loop("a b c d e f g h i j k l", 1) is None  # nothing repeats
+    assert trim_loop(text, 1000) is None  # repeats less than that
+
+
+def test_build_dataset_trims_looping_replies_into_cut_replies(tmp_path, tokenizers):
+    """A looping reply is cut and trains no end-of-turn token; a reply that does not loop keeps it."""
+    loop = "It is a topic that is often overlooked. "
+    rows = [
+        {"messages": [{"role": "user", "content": "Why?"}, {"role": "assistant", "content": loop * 12}]},
+        {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there."}]},
+    ]
+    tokenizer = tokenizers["smollm2"]
+    path = _write(tmp_path / "chats.jsonl", rows)
+    whole, _ = build_dataset(path, tokenizer, 512)
+    trimmed, report = build_dataset(path, tokenizer, 512, trim_loops=4)
+    assert report.loops_trimmed == 1 and "cut inside a repetition loop: 1" in str(report)
+    assert sum(trimmed[0]["loss_mask"]) < sum(whole[0]["loss_mask"])
+    assert trimmed[1] == whole[1]
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    masked = [t for t, m in zip(trimmed[0]["input_ids"], trimmed[0]["loss_mask"]) if m]
+    assert end not in masked and end in [t for t, m in zip(whole[0]["input_ids"], whole[0]["loss_mask"]) if m]
