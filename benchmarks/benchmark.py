@@ -67,6 +67,18 @@ class Method:
     tree_label: str = ""
 
 
+LOOP_RUN = 8  # tokens
+
+
+def loops(reply: list[int], run: int = LOOP_RUN) -> bool:
+    """Whether a reply ends in a repetition loop: fewer than half the `run`-token runs of its second half are
+    distinct (a small target's long greedy replies often repeat one sentence to the length cap, which drafts
+    predict easily: tau on such replies says little about other text)."""
+    half = reply[len(reply) // 2 :]
+    runs = [tuple(half[i : i + run]) for i in range(len(half) - run + 1)]
+    return bool(runs) and len(set(runs)) < len(runs) / 2
+
+
 @dataclass
 class Tally:
     """Pooled statistics of one (method, temperature, category)."""
@@ -81,6 +93,7 @@ class Tally:
     plain_seconds: float = 0.0
     ratios: list[float] = field(default_factory=list)  # per-prompt speedups
     identical: list[bool] = field(default_factory=list)  # per prompt: same tokens as plain decoding
+    looped: int = 0  # prompts whose plain reply ends in a repetition loop (`loops`)
 
     def add(self, result: dict, plain: dict) -> None:
         """One prompt's run of the method (`result`) and of plain decoding on the same target (`plain`)."""
@@ -96,6 +109,7 @@ class Tally:
         self.plain_seconds += plain["seconds"]
         self.ratios.append((result["tokens"] / result["seconds"]) / (plain["tokens"] / plain["seconds"]))
         self.identical.append(torch.equal(result["sequences"], plain["sequences"]))
+        self.looped += loops(plain["sequences"][0, plain["sequences"].shape[1] - plain["tokens"] :].tolist())
 
     def summary(self) -> dict:
         """Pooled metrics: tau, acceptance per depth, tokens/s, speedups, agreement with plain decoding."""
@@ -117,6 +131,7 @@ class Tally:
             "tokens": self.tokens,
             "prompts": len(self.ratios),
             "identical_to_plain": sum(self.identical),
+            "plain_looped": self.looped,
         }
 
 

@@ -135,7 +135,16 @@ def _table(rows: list[dict], cats: list[str], temperature: float, length: str) -
             ]
         )
     title = f"Temperature {temperature:g}" + (f", {length} new tokens" if length else "")
-    return [f"\n### {title}: tau / speedup per category\n", markdown([*headers, "same as plain"], table)]
+    first = next(iter(dict.fromkeys(r["method"] for r in rows)), None)
+    looped = {r["category"]: r for r in rows if r["method"] == first and "plain_looped" in r}
+    loops = ", ".join(f"{c} {looped[c]['plain_looped']}/{looped[c]['prompts']}" for c in cats if c in looped)
+    text = "Plain replies ending in a repetition loop (most 8-token runs of their second half repeat): "
+    note = [f"\n{text}{loops}\n"] if loops else []
+    return [
+        f"\n### {title}: tau / speedup per category\n",
+        markdown([*headers, "same as plain"], table),
+        *note,
+    ]
 
 
 def plots(results: dict, out: Path) -> list[str]:

@@ -15,6 +15,7 @@ from benchmarks.benchmark import (
     build_methods,
     load_prompts,
     lookup_counts,
+    loops,
     pooled_labels,
     result_rows,
     rotated,
@@ -281,3 +282,9 @@ def test_at_lengths_adds_a_column_per_category_at_each_later_length():
         "chat@256": (2, 256),
         "summary@256": (2, 256),
     }
+
+
+def test_loops_finds_a_reply_that_ends_repeating_itself():
+    assert loops(list(range(40)) + [1, 2, 3] * 30)  # a 3-token loop fills the second half
+    assert not loops(list(range(200)))
+    assert not loops([5, 6, 7])  # too short to tell

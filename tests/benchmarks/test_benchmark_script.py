@@ -263,6 +263,11 @@ def test_bench_reports_held_out_sources_at_two_lengths_and_chains(
     assert results["lengths"]["summary@10"] == 10 and results["lengths"]["summary"] == 6
     assert "### Temperature 0, 10 new tokens: tau / speedup per category" in printed
     assert "| summary | open_qa | creative | system | followup | in-source | held-out | all |" in printed
+    assert (
+        "Plain replies ending in a repetition loop (most 8-token runs of their second half repeat): chat "
+        in printed
+    )
+    assert all(0 <= r["plain_looped"] <= r["prompts"] for r in results["rows"])
 
 
 def test_bench_medusa1_tree_needs_the_sizing(tmp_path, head_dirs, capsys):
