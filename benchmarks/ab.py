@@ -58,7 +58,7 @@ def one(out):
 
 def run(args) -> str:
     """The markdown table of the A/B (`scripts/ab_decode.py`'s arguments)."""
-    from benchmarks.benchmark import load_prompts, prompt_ids
+    from benchmarks.prompts import load_prompts, prompt_ids
     from decode import DEFAULT_EAGLE_TREE, DEFAULT_TREES, generate, prepare
     from heads import load_heads
     from heads.shipping import pretrained_dir

@@ -6,7 +6,6 @@ plain decoding.
 
 from __future__ import annotations
 
-import json
 import platform
 import statistics
 import sys
@@ -17,6 +16,7 @@ from pathlib import Path
 import torch
 import transformers
 
+from benchmarks.prompts import loops, pooled_labels, prompt_ids
 from decode import (
     DEFAULT_EAGLE_TREE,
     DEFAULT_TREES,
@@ -41,11 +41,6 @@ from heads import load_heads
 from targets import load_target, merge_lora
 from targets.layer_draft import layer_draft
 
-CHAT_SOURCES = {"chitchat", "chitchat_starter"}  # prompts_eval.jsonl sources of the "chat" category
-CATEGORIES = ("chat", "instruction", "code")  # in-source: kinds the training pools hold (other prompts)
-HELDOUT_FILE = "prompts_eval_heldout.jsonl"  # held-out-source categories (train/heldout.py builds them)
-HELDOUT_CATEGORIES = ("summary", "open_qa", "creative", "system", "followup")  # train.heldout's
-IN_SOURCE, HELD_OUT = "in-source", "held-out"  # the pooled columns of each kind
 BLOCK_LABELS = {"dflash": "DFlash", "peagle": "P-EAGLE"}  # block drafters: every depth from one forward
 VERIFY_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48)  # tree sizes whose verify cost the sizing measures
 PROMPT_LOOKUP_TOKENS = 10  # transformers' documented starting point for prompt_lookup_num_tokens
@@ -65,18 +60,6 @@ class Method:
     target: str = "base"  # "base" or "medusa2" (the LoRA-merged target)
     kind: str = "ours"  # "ours" (decode.generate) or "lookup" (transformers)
     tree_label: str = ""
-
-
-LOOP_RUN = 8  # tokens
-
-
-def loops(reply: list[int], run: int = LOOP_RUN) -> bool:
-    """Whether a reply ends in a repetition loop: fewer than half the `run`-token runs of its second half are
-    distinct (a small target's long greedy replies often repeat one sentence to the length cap, which drafts
-    predict easily: tau on such replies says little about other text)."""
-    half = reply[len(reply) // 2 :]
-    runs = [tuple(half[i : i + run]) for i in range(len(half) - run + 1)]
-    return bool(runs) and len(set(runs)) < len(runs) / 2
 
 
 @dataclass
@@ -133,66 +116,6 @@ class Tally:
             "identical_to_plain": sum(self.identical),
             "plain_looped": self.looped,
         }
-
-
-def load_prompts(
-    data_dir: Path, n: int, calibration: int, skip: int = 0, heldout: bool = False
-) -> tuple[dict[str, list[dict]], list[dict]]:
-    """{category: n rows after the first `skip`} of prompts_eval.jsonl (chat, instruction) and
-    prompts_code_eval.jsonl (code), and the calibration rows: the last chat rows, disjoint from the benchmark
-    rows. `skip` picks rows that a run with skip=0 never reports, to choose trees or bounds on. With
-    `heldout`, also the held-out-source categories of prompts_eval_heldout.jsonl (`HELDOUT_CATEGORIES`)."""
-    rows = [json.loads(line) for line in (data_dir / "prompts_eval.jsonl").read_text().splitlines()]
-    chat = [r for r in rows if r["source"] in CHAT_SOURCES]
-    instruction = [r for r in rows if r["source"] not in CHAT_SOURCES]
-    code = [json.loads(line) for line in (data_dir / "prompts_code_eval.jsonl").read_text().splitlines()]
-    if skip + n + calibration > len(chat):
-        raise SystemExit(
-            f"--skip-prompts {skip} + --prompts {n} + --calibration-prompts {calibration} exceed the "
-            f"{len(chat)} chat prompts"
-        )
-    for name, found in (("instruction", instruction), ("code", code)):
-        if skip + n > len(found):
-            raise SystemExit(f"--skip-prompts {skip} + --prompts {n} exceed the {len(found)} {name} prompts")
-    window = slice(skip, skip + n)
-    prompts = {"chat": chat[window], "instruction": instruction[window], "code": code[window]}
-    if heldout:
-        path = data_dir / HELDOUT_FILE
-        if not path.is_file():
-            raise SystemExit(f"{path} is missing: build it with python scripts/prepare_data.py --heldout")
-        rows = [json.loads(line) for line in path.read_text().splitlines()]
-        for category in HELDOUT_CATEGORIES:
-            found = [r for r in rows if r["source"] == f"heldout_{category}"]
-            if skip + n > len(found):
-                raise SystemExit(
-                    f"--skip-prompts {skip} + --prompts {n} exceed the {len(found)} {category} prompts"
-                )
-            prompts[category] = found[window]
-    return prompts, chat[len(chat) - calibration :]
-
-
-def at_lengths(prompts: dict[str, list[dict]], lengths: list[int], long_prompts: int | None = None):
-    """The benchmark's columns: {label: (rows, new tokens)}. The first length keeps the category names;
-    each further length N adds "<category>@N" columns over the first `long_prompts` rows (all: None)."""
-    columns = {category: (rows, lengths[0]) for category, rows in prompts.items()}
-    for n in lengths[1:]:
-        columns |= {f"{category}@{n}": (rows[:long_prompts], n) for category, rows in prompts.items()}
-    return columns
-
-
-def pooled_labels(label: str) -> list[str]:
-    """The pooled columns a category column also counts in: its kind (in-source or held-out) at its length,
-    and "all"."""
-    category, _, length = label.partition("@")
-    kind = IN_SOURCE if category in CATEGORIES else HELD_OUT
-    return [kind + (f"@{length}" if length else ""), "all"]
-
-
-def prompt_ids(tokenizer, row: dict) -> torch.Tensor:
-    """(1, T) chat-template ids of a prompt row's messages."""
-    return tokenizer.apply_chat_template(
-        row["messages"], add_generation_prompt=True, return_dict=True, return_tensors="pt"
-    )["input_ids"]
 
 
 class PassCounter:

@@ -7,7 +7,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from benchmarks.benchmark import BLOCK_LABELS, HELD_OUT, IN_SOURCE
+from benchmarks.benchmark import BLOCK_LABELS
+from benchmarks.prompts import HELD_OUT, IN_SOURCE
 from heads.files import write_json, write_text
 
 

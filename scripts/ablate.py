@@ -4,7 +4,7 @@ format). Rerun the same command to resume: finished arms are skipped, an interru
     python scripts/ablate.py configs/ablation/smollm2.yaml [--arms baseline ttt5] [--no-train] [--dump-only]
 
 Prompts per category: chat and instruction from data/smollm2/prompts_eval.jsonl, code from HumanEval
-(prompts_code_eval.jsonl), the benchmark's own (benchmarks.benchmark.load_prompts), never trained on; with the
+(prompts_code_eval.jsonl), the benchmark's own (benchmarks.prompts.load_prompts), never trained on; with the
 spec's `heldout: true` also the held-out-source categories, pooled per kind with their ratio. Writes
 ablation.json and ablation.md to the spec's output_dir and prints the table.
 """
@@ -15,7 +15,7 @@ import argparse
 import json
 from pathlib import Path
 
-from benchmarks.benchmark import load_prompts
+from benchmarks.prompts import load_prompts
 from targets import load_target
 from train.ablation import DUMPED, dump_states, judge_arm, load_spec, run_arm, write_results
 from train.config import EagleRunConfig, MedusaRunConfig, load_config

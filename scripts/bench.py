@@ -33,7 +33,8 @@ import torch
 
 from benchmarks import cli
 from benchmarks.batch import batch_run
-from benchmarks.benchmark import at_lengths, benchmark, load_prompts, prompt_ids
+from benchmarks.benchmark import benchmark
+from benchmarks.prompts import at_lengths, load_prompts, prompt_ids
 from benchmarks.report import write_report
 from decode.tree import DynamicTree
 from heads import load_heads

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.benchmark import load_prompts
+from benchmarks.prompts import load_prompts
 from decode import DEFAULT_EAGLE_TREE, calibrate, generate, is_int8_draft, prepare, tree_label
 from heads import load_heads
 from targets import DEFAULT_TARGET, load_target

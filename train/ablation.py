@@ -55,7 +55,7 @@ class AblationSpec:
     prompts: int = 10
     new_tokens: int = 64
     hidden_states: str = "online"
-    heldout: bool = False  # also judge on the held-out-source categories (benchmarks.benchmark.load_prompts)
+    heldout: bool = False  # also judge on the held-out-source categories (benchmarks.prompts.load_prompts)
 
     @property
     def states_dir(self) -> Path | None:
@@ -205,9 +205,7 @@ def _pooled_tau(model, tokenizer, head, rows: list[dict], new_tokens: int, batch
     (`decode.generate.decode_prompts`, `batch_size` prompts per batch: the same tokens and steps as one at a
     time): pooled tau (tokens emitted by verify passes / verify passes, the bonus token counted, the prefill's
     token left out, as `benchmarks.benchmark` pools it) and the median of per-prompt taus."""
-    from benchmarks.benchmark import (
-        prompt_ids,
-    )  # train -> benchmarks: an allowed direction; lazy, as in evaluate.py
+    from benchmarks.prompts import prompt_ids  # train -> benchmarks: allowed; lazy, as in evaluate.py
     from decode.generate import decode_prompts
     from train.data import pad_token_id
 
@@ -236,7 +234,7 @@ def pooled_kinds(taus: dict[str, dict]) -> dict[str, dict]:
     """`taus` ({category: `_pooled_tau` record}) with, when it holds held-out-source categories, the pooled
     "in-source" and "held-out" records and their ratio ("held-out / in-source": what generalisation is judged
     by)."""
-    from benchmarks.benchmark import CATEGORIES, HELDOUT_CATEGORIES  # lazy, as in `_pooled_tau`
+    from benchmarks.prompts import CATEGORIES, HELDOUT_CATEGORIES  # lazy, as in `_pooled_tau`
 
     out = dict(taus)
     kinds = {"in-source": CATEGORIES, "held-out": HELDOUT_CATEGORIES}
@@ -294,7 +292,7 @@ def draft_cost_ms(model, tokenizer, head_dir: Path, row: dict, repeats: int = 15
     """Milliseconds of the drafter's work in one greedy decoding step with the default tree (taking in two
     accepted positions, then drafting), after prefilling the chat prompt `row`: the CPU price of an arm's
     head (a larger draft vocabulary costs a larger draft lm_head); `decode.calibrate.measure_propose_cost`."""
-    from benchmarks.benchmark import prompt_ids
+    from benchmarks.prompts import prompt_ids
     from decode.calibrate import measure_propose_cost
     from decode.drafters import make_drafter
     from decode.tree import resolve_tree

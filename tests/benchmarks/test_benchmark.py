@@ -11,15 +11,12 @@ from benchmarks.benchmark import (
     Method,
     Tally,
     as_tree,
-    at_lengths,
     build_methods,
-    load_prompts,
     lookup_counts,
-    loops,
-    pooled_labels,
     result_rows,
     rotated,
 )
+from benchmarks.prompts import at_lengths, load_prompts, loops, pooled_labels
 from benchmarks.report import columns, plots, render
 from decode import DEFAULT_EAGLE_TREE, DEFAULT_TREES, DynamicTree
 from heads import EagleConfig, EagleHead, MedusaConfig, MedusaHeads, save_heads

@@ -13,7 +13,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from benchmarks.benchmark import load_prompts, prompt_ids
+from benchmarks.prompts import load_prompts, prompt_ids
 from decode import generate
 from heads import registry, shipping
 from heads.eagle import EagleConfig, EagleHead

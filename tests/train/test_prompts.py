@@ -221,7 +221,7 @@ def test_held_out_source_prompts_come_from_distributions_no_training_file_reads(
     """The held-out-source benchmark (train/heldout.py) is held out by construction: its pinned distributions
     are none of the training pools', no training row carries one of its sources, and the committed file
     holds every category in full, the follow-ups after the target's own first reply."""
-    from benchmarks.benchmark import HELDOUT_CATEGORIES
+    from benchmarks.prompts import HELDOUT_CATEGORIES
     from train import broad, domains, heldout, prompts
 
     assert heldout.HELDOUT_CATEGORIES == HELDOUT_CATEGORIES  # what bench.py --heldout reads
