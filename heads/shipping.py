@@ -10,6 +10,7 @@ as it is by `train/eagle.py` or `train/medusa.py`) and `CARD.md`.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -17,6 +18,7 @@ import yaml
 
 from heads.files import write_text
 from heads.io import load_heads, read_head_config, save_heads
+from targets.licence import licence_files
 
 ROOT = Path(__file__).resolve().parents[1]
 PRETRAINED = ROOT / "pretrained"
@@ -122,6 +124,7 @@ def ship_head(
     root: Path | None = None,
     max_mb: float = MAX_MB,
     notes: str | None = None,
+    files: Sequence[str | Path] = (),
 ) -> Path:
     """Store the export `src` as the shipped head `name` of its target: weights in `dtype`, its config, the
     run's recipe config and a card. Refuses a folder that would exceed `max_mb`.
@@ -135,12 +138,20 @@ def ship_head(
         root: the pretrained folder (default: the repository's).
         max_mb: the largest weights file allowed, in MiB.
         notes: more text for the card (what else was measured, and how).
+        files: more files copied into the folder as they are. The files the target's licence asks a
+            derivative to carry (`targets.licence`: Gemma's terms and notice) are added without asking.
     Returns:
         The shipped folder.
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    for path in map(Path, files):
+        if path.name in {CARD, TRAIN_CONFIG, "config.json", "model.safetensors"}:
+            raise ValueError(f"{path}: a shipped folder's own file has that name")
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: no such file to ship beside the head")
     config = read_head_config(src)
+    licence = licence_files(config["base_model"])  # before anything is written: a failed fetch leaves nothing
     head = load_heads(src, dtype=DTYPES[dtype])
     dest = pretrained_dir(config["base_model"], name, root)
     extra = {k: v for k, v in config.items() if k not in STANDARD_KEYS and k != "head_config"}
@@ -153,7 +164,14 @@ def ship_head(
             path.unlink()
         dest.rmdir()
         raise ValueError(f"{src}: {mb:.1f} MiB in {dtype}, over the {max_mb:g} MiB a shipped head may take")
+    for path in files:
+        (dest / Path(path).name).write_bytes(Path(path).read_bytes())
+    for file_name, content in licence.items():
+        (dest / file_name).write_bytes(content)
     if config.get("training"):
         write_text(dest / TRAIN_CONFIG, yaml.safe_dump(config["training"], sort_keys=False))
+    if licence:
+        terms = ", ".join(f"`{file_name}`" for file_name in sorted(licence))
+        notes = f"Licence: the target's terms apply to this head; {terms} beside this card.\n\n{notes or ''}"
     write_text(dest / CARD, _card(name, dest, read_head_config(dest), dtype, command, bench, notes))
     return dest

@@ -30,6 +30,13 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--max-mb", type=float, default=MAX_MB)
     parser.add_argument("--notes", default=None, help="more text for the card (other measurements)")
+    parser.add_argument(
+        "--file",
+        type=Path,
+        action="append",
+        default=[],
+        help="a file copied into the folder as it is (repeatable): e.g. the licence terms and notice",
+    )
     args = parser.parse_args(argv)
     bench = json.loads(args.bench.read_text()) if args.bench else None
     try:
@@ -41,6 +48,7 @@ def main(argv: list[str] | None = None) -> Path:
             bench=bench,
             max_mb=args.max_mb,
             notes=args.notes,
+            files=args.file,
         )
     except (ValueError, FileNotFoundError) as error:
         raise SystemExit(str(error)) from error

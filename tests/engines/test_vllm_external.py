@@ -42,8 +42,6 @@ as ours does; neither side shortens the chain as the token limit nears, so the c
 related.
 """
 
-import copy
-import dataclasses
 import json
 import os
 import signal
@@ -64,10 +62,11 @@ from decode.drafters.model import DraftModel
 from decode.tree import chain
 from engines.export import export_head, validate_export
 from engines.serving import PER_POSITION, spec_metrics, vllm_drafting
-from heads import EagleHead, FeatureCapture, load_heads
+from heads import load_heads
 from heads.shipping import pretrained_dir
-from targets import DEFAULT_TARGET, load_target, materialize_default_target
+from targets import DEFAULT_TARGET, GEMMA3_TARGET, load_target, materialize_default_target, resolve_target
 from targets.layer_draft import layer_draft, save_layer_draft
+from tests.engines.vllm_heads import classic, reparametrised
 from train.venv import VLLM, VLLM_ENV, clean_env, venv_folder, venv_stamp
 from train.venv import vllm_python as vllm_python_build
 
@@ -105,7 +104,13 @@ NEEDS = {
     "test_vllm_serves_a_draft_model_as_we_decode": (("draft_model",), ()),
     "test_vllm_serves_the_dflash_export_as_we_decode": (("dflash", "dflash-shifted"), ("dflash",)),
     "test_vllm_serves_the_peagle_export_with_parallel_drafting_as_we_decode": (("peagle",), ("peagle",)),
+    "test_vllm_refuses_eagle3_for_the_gemma3_target_with_its_error": (("gemma3-eagle3",), ()),
 }
+# vLLM 0.32's Gemma3ForCausalLM lacks its EAGLE-3 interface (SupportsEagle3: the taps' hidden states); a vLLM
+# that adds it fails the test below, which then should compare tokens and counters as the others do
+GEMMA3_REFUSAL = (
+    "RuntimeError: Model does not support EAGLE3 interface but aux_hidden_state_outputs was requested"
+)
 
 
 def selected(request) -> set[str]:
@@ -238,34 +243,6 @@ def decoded(setup):
     return get
 
 
-def reparametrised(head: EagleHead) -> EagleHead:
-    """`head` with hidden_norm x 2 and the attention's weights on its output / 2: exact in floating point
-    (powers of two), so the same drafts, with a norm far from ones."""
-    twice = copy.deepcopy(head)
-    with torch.no_grad():
-        twice.midlayer.hidden_norm.weight.mul_(2)
-        hidden = twice.config.hidden_size
-        attention = twice.midlayer.self_attn
-        for proj in (attention.q_proj, attention.k_proj, attention.v_proj):
-            proj.weight[:, hidden:].div_(2)  # its input is [input_layernorm(embeds), hidden_norm(feature)]
-    return twice
-
-
-def classic(head: EagleHead, model, prompt: list[int]) -> EagleHead:
-    """The shipped EAGLE-3.1 head in the classic EAGLE-3 layout (no norm over the taps before fc, the raw
-    output as the next step's feature): its weights, with the input norm folded into fc at the taps' typical
-    RMS (exact for a token whose taps have that RMS), so the head still drafts right often."""
-    assert head.config.norm_before_fc and head.config.norm_output
-    plain = EagleHead(dataclasses.replace(head.config, norm_before_fc=False, norm_output=False))
-    state = {key: value for key, value in head.state_dict().items() if key != "input_norm.weight"}
-    plain.load_state_dict(state, strict=True)
-    with torch.no_grad(), FeatureCapture(model, head.feature_layers) as capture:
-        model(torch.tensor([prompt]))
-        rms = capture.features().pow(2).mean(-1).sqrt().median()
-        plain.fc.weight.mul_(head.input_norm.weight[None, :] / rms)
-    return plain.eval()
-
-
 def export(head, fmt: str, folder: Path, model) -> Path:
     export_head(head, fmt, folder, target=model, verifier_name=str(materialize_default_target()))
     return folder
@@ -331,6 +308,13 @@ def prepare_runs(names: set[str], setup, heads: dict) -> dict[str, tuple[Path | 
     if "peagle" in names:
         head = heads["peagle"][0]
         runs["peagle"] = (export(head, "peagle", root / "peagle", model), "eagle3", head)
+    if "gemma3-eagle3" in names:  # the second real target's shipped head, on its own target (no head: its
+        gemma, _ = load_target(GEMMA3_TARGET)  # prompts are the default target's, not for decoding here)
+        head = load_heads(pretrained_dir(GEMMA3_TARGET, "eagle3"), target=gemma)
+        folder = root / "gemma3-eagle3"
+        export_head(head, "speculators", folder, target=gemma, verifier_name=resolve_target(GEMMA3_TARGET))
+        runs["gemma3-eagle3"] = (folder, "eagle3", None)
+        del gemma, head
     return {name: runs[name] for name in sorted(names)}
 
 
@@ -353,6 +337,7 @@ def vllm_runs(request, vllm_python, setup, heads, decoded, say) -> dict[str, dic
             "method": method,
             "num_speculative_tokens": drafts(head),
             "speculative_config": speculative(head),
+            **({"target": resolve_target(GEMMA3_TARGET)} if name.startswith("gemma3") else {}),
         }
         for name, (folder, method, head) in runs.items()
     ]
@@ -598,3 +583,15 @@ def test_vllm_serves_the_peagle_export_with_parallel_drafting_as_we_decode(vllm_
     placeholders' drafts are compared, not only the first)."""
     per_position = check_served(setup, say, decoded, vllm_runs["peagle"])[1]
     assert min(per_position) > 0, f"a depth never accepted ({per_position}): too weak to compare"
+
+
+def test_vllm_refuses_eagle3_for_the_gemma3_target_with_its_error(vllm_runs, say):
+    """The shipped Gemma 3 270M EAGLE-3 head, exported as for the default target: our validator passes the
+    folder, and vLLM 0.32 refuses it at load time, naming the interface its Gemma 3 model lacks."""
+    result = vllm_runs["gemma3-eagle3"]
+    validate_export(result["export"], "speculators")
+    config = json.loads((result["export"] / "config.json").read_text())
+    assert config["speculators_config"]["verifier"]["architectures"] == ["Gemma3ForCausalLM"]
+    assert "error" in result, "vLLM now serves EAGLE-3 on Gemma 3: compare its tokens and counters with ours"
+    assert GEMMA3_REFUSAL in result["error"], result["error"][-3000:]
+    say(f"vLLM eagle3 on gemma-3-270m: refused at load time ({GEMMA3_REFUSAL.split(': ', 1)[1]})")

