@@ -10,7 +10,7 @@ as it is by `train/eagle.py` or `train/medusa.py`) and `CARD.md`.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -18,7 +18,6 @@ import yaml
 
 from heads.files import write_text
 from heads.io import load_heads, read_head_config, save_heads
-from targets.licence import licence_files
 
 ROOT = Path(__file__).resolve().parents[1]
 PRETRAINED = ROOT / "pretrained"
@@ -125,6 +124,7 @@ def ship_head(
     max_mb: float = MAX_MB,
     notes: str | None = None,
     files: Sequence[str | Path] = (),
+    licence: Mapping[str, bytes] | None = None,
 ) -> Path:
     """Store the export `src` as the shipped head `name` of its target: weights in `dtype`, its config, the
     run's recipe config and a card. Refuses a folder that would exceed `max_mb`.
@@ -138,8 +138,10 @@ def ship_head(
         root: the pretrained folder (default: the repository's).
         max_mb: the largest weights file allowed, in MiB.
         notes: more text for the card (what else was measured, and how).
-        files: more files copied into the folder as they are. The files the target's licence asks a
-            derivative to carry (`targets.licence`: Gemma's terms and notice) are added without asking.
+        files: more files copied into the folder as they are.
+        licence: file name -> content of what the target's licence asks a derivative to carry
+            (`targets.licence.licence_files`: Gemma's terms and notice; scripts/ship_head.py passes them),
+            written beside the head and named on the card.
     Returns:
         The shipped folder.
     """
@@ -151,7 +153,7 @@ def ship_head(
         if not path.is_file():
             raise FileNotFoundError(f"{path}: no such file to ship beside the head")
     config = read_head_config(src)
-    licence = licence_files(config["base_model"])  # before anything is written: a failed fetch leaves nothing
+    licence = dict(licence or {})
     head = load_heads(src, dtype=DTYPES[dtype])
     dest = pretrained_dir(config["base_model"], name, root)
     extra = {k: v for k, v in config.items() if k not in STANDARD_KEYS and k != "head_config"}

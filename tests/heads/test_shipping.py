@@ -136,10 +136,10 @@ def test_shipping_refuses_a_head_over_the_size_limit_and_an_unknown_dtype(tmp_pa
     assert not pretrained_dir(TARGET, "eagle3", tmp_path / "pre").exists()
 
 
-def test_shipping_adds_the_files_the_targets_licence_asks_for(tmp_path, trained, monkeypatch):
-    """`targets.licence.licence_files` (what the head's target asks a derivative to carry; Gemma's terms and
+def test_ship_script_adds_the_files_the_targets_licence_asks_for(tmp_path, trained, monkeypatch):
+    """What the head's target asks a derivative to carry (`targets.licence.licence_files`: Gemma's terms and
     notice, tested in tests/targets/test_gemma3.py) and any --file land beside the head, named on the card."""
-    from heads import shipping
+    from targets import licence as licence_module
 
     _, _, src = trained
     asked = []
@@ -148,11 +148,13 @@ def test_shipping_adds_the_files_the_targets_licence_asks_for(tmp_path, trained,
         asked.append(base_model)
         return {"NOTICE": b"provided under the terms\n", "TERMS.html": b"<html>terms</html>"}
 
-    monkeypatch.setattr(shipping, "licence_files", licence)
+    monkeypatch.setattr(licence_module, "licence_files", licence)  # before the script imports it
+    monkeypatch.setattr(shipping, "PRETRAINED", tmp_path / "pre")
     extra = tmp_path / "RESULTS.md"
     extra.write_text("more figures\n")
-    dest = ship_head(src, "eagle3", command="x", root=tmp_path / "pre", files=[extra])
-    assert asked == [TARGET]
+    ship = runpy.run_path(str(ROOT / "scripts" / "ship_head.py"))["main"]
+    dest = ship([str(src), "--name", "eagle3", "--command", "x", "--file", str(extra)])
+    assert asked == [TARGET] and dest == pretrained_dir(TARGET, "eagle3", tmp_path / "pre")
     assert (dest / "NOTICE").read_bytes() == b"provided under the terms\n"
     assert (dest / "TERMS.html").read_bytes() == b"<html>terms</html>"
     assert (dest / "RESULTS.md").read_text() == "more figures\n"
