@@ -127,24 +127,26 @@ def run(
         ]
         plain_runs = [_decode(model, x, new_tokens)[0].sequences for x in ids]
         times: dict[str, list[list[float]]] = {m: [[] for _ in ids] for m in ["plain", *PROFILES]}
-        steps: dict[str, int] = dict.fromkeys(PROFILES, 0)
-        for repeat in range(repeats):
+        steps: dict[str, list[int]] = {label: [0] * prompts for label in PROFILES}
+        for _ in range(repeats):
             for p, x in enumerate(ids):
                 times["plain"][p].append(_decode(model, x, new_tokens)[1])
                 for label, probs in PROFILES.items():
-                    oracle = ChainOracle(plain_runs[p][0].tolist(), vocab, probs, seed=1000 * repeat + p)
+                    # seeded per prompt: every repeat drafts, accepts and times the same steps
+                    oracle = ChainOracle(plain_runs[p][0].tolist(), vocab, probs, seed=p)
                     out, seconds = _decode(model, x, new_tokens, oracle)
                     if not torch.equal(out.sequences, plain_runs[p]):
                         raise AssertionError(f"{name}, {label}, prompt {p}: not the plain reply")
+                    if steps[label][p] not in (0, out.steps):
+                        raise AssertionError(f"{name}, {label}, prompt {p}: repeats took other steps")
+                    steps[label][p] = out.steps
                     times[label][p].append(seconds)
-                    if repeat == 0:
-                        steps[label] += out.steps
         plain = sum(statistics.median(t) for t in times["plain"])
         for label in ["plain", *PROFILES]:
             total = sum(statistics.median(t) for t in times[label])
             # target forwards, the prefill's included; tau as decode.generate counts it (the prefill's token
             # left out): accepted tokens per verify step
-            forwards = prompts * new_tokens if label == "plain" else steps[label] + prompts
+            forwards = prompts * new_tokens if label == "plain" else sum(steps[label]) + prompts
             rows.append(
                 {
                     "target": name,
