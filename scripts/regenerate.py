@@ -46,6 +46,13 @@ def main() -> None:
         action="store_true",
         help="first drop finished chats whose prompt changed since (they are answered again)",
     )
+    parser.add_argument(
+        "--stop-loops",
+        type=int,
+        default=0,
+        help="end a reply at this many repeated 8-word runs, and cut finished ones there (above the "
+        "data.trim_loops the heads train with; train.regen.regenerate)",
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32", choices=list(TORCH_DTYPES))
     args = parser.parse_args()
@@ -68,11 +75,12 @@ def main() -> None:
         seed=args.seed,
         max_prompt_tokens=args.max_prompt_tokens,
         drop_stale=args.drop_stale,
+        stop_loops=args.stop_loops,
     )
     print(
         f"{args.out}: {stats['generated']} prompts answered in {stats['shards']} new shards, "
         f"{stats['skipped']} already done, {stats['too_long']} left out "
-        f"(over {args.max_prompt_tokens} tokens)"
+        f"(over {args.max_prompt_tokens} tokens), {stats['loops_cut']} finished chats cut at their loop"
     )
 
 

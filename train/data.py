@@ -172,7 +172,7 @@ def render_with_mask(
         tokenizer: a fast tokenizer (offsets are needed) with a chat template.
         messages: from `to_messages`.
         max_length: keep the first max_length tokens (ids and mask alike).
-        cut_reply: the last reply was cut by a length cap (a regenerated row with finish_reason "length"):
+        cut_reply: the last reply was cut (a regenerated row with finish_reason "length" or "loop"):
             its tokens are targets, the end-of-turn marker after it is not (the target never chose to stop
             there, so nothing may learn to).
     Returns:
@@ -275,7 +275,7 @@ def build_dataset(
             try:
                 if isinstance(row, Exception):
                     raise row
-                messages, cut = to_messages(row), row.get("finish_reason") == "length"
+                messages, cut = to_messages(row), row.get("finish_reason") in ("length", "loop")
                 trimmed = None
                 if trim_loops and messages[-1]["role"] == "assistant":
                     trimmed = trim_loop(str(messages[-1]["content"]), trim_loops)

@@ -3,7 +3,7 @@ biggest lever on acceptance), batched, as resumable JSONL shards. Used by `scrip
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -12,7 +12,9 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from heads.files import write_jsonl
-from train.data import BadRow, _render, pad_token_id, read_rows, to_messages
+from train.data import BadRow, _render, pad_token_id, read_rows, to_messages, trim_loop
+
+LOOP_CHECK_EVERY = 16  # tokens: how often a growing reply is checked for a loop (`stop_loops`)
 
 
 @torch.no_grad()
@@ -24,7 +26,9 @@ def batched_generate(
     stop_ids: set[int],
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
-) -> list[tuple[list[int], bool]]:
+    looping: Callable[[list[int]], bool] | None = None,
+    check_every: int = LOOP_CHECK_EVERY,
+) -> list[tuple[list[int], str]]:
     """Decode a left-padded batch, dropping each row from the batch (and its KV cache) as soon as it stops.
 
     `model.generate` keeps finished rows in the batch until the longest reply ends; on a CPU, where a step's
@@ -38,8 +42,12 @@ def batched_generate(
         stop_ids: tokens that end a reply (kept out of the returned reply).
         temperature: 0 = greedy; > 0 samples softmax(logits / temperature), nothing else applied.
         generator: random source for sampling.
+        looping: called on a row's reply so far whenever its length is a multiple of `check_every`; True
+            ends the row there (a reply stuck in a repetition loop, `reply_loops`).
+        check_every: see `looping`.
     Returns:
-        per row, (reply token ids without the stop token, whether a stop token ended it).
+        per row, (reply token ids without the stop token, why it ended: "stop" (a stop token), "loop"
+        (`looping`) or "length" (max_new_tokens)).
     """
     if input_ids.shape != attention_mask.shape or input_ids.dim() != 2:
         raise ValueError(
@@ -53,11 +61,11 @@ def batched_generate(
     position = (mask.cumsum(-1) - 1).clamp(min=0)  # left padding: each row's positions start at 0
     cache = DynamicCache(config=model.config)
     replies: list[list[int]] = [[] for _ in range(input_ids.shape[0])]
-    stopped = [False] * input_ids.shape[0]
+    ended = ["length"] * input_ids.shape[0]
     alive = torch.arange(input_ids.shape[0], device=device)
     step_input, step_position = input_ids, position
     stop = torch.tensor(sorted(stop_ids), device=device)
-    for _ in range(max_new_tokens):
+    for step in range(max_new_tokens):
         logits = (
             model(
                 input_ids=step_input,
@@ -76,11 +84,14 @@ def batched_generate(
         else:
             token = logits.argmax(-1)
         ends = torch.isin(token, stop)
-        for row, value, end in zip(alive.tolist(), token.tolist(), ends.tolist()):
+        check = looping is not None and (step + 1) % check_every == 0
+        for i, (row, value, end) in enumerate(zip(alive.tolist(), token.tolist(), ends.tolist())):
             if end:
-                stopped[row] = True
+                ended[row] = "stop"
             else:
                 replies[row].append(value)
+                if check and looping(replies[row]):
+                    ended[row], ends[i] = "loop", True
         keep = (~ends).nonzero().squeeze(-1)
         if keep.numel() == 0:
             break
@@ -91,7 +102,23 @@ def batched_generate(
         step_input = token[:, None]
         step_position = step_position[:, -1:] + 1
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
-    return [(reply, stop_flag) for reply, stop_flag in zip(replies, stopped)]
+    return list(zip(replies, ended))
+
+
+def reply_loops(ids: list[int], tokenizer: PreTrainedTokenizerBase, keep: int) -> bool:
+    """Whether the reply `ids` decodes to text with at least `keep` repeated runs of words (`trim_loop`)."""
+    text = tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    return trim_loop(text, keep) is not None
+
+
+def loop_cut(ids: list[int], tokenizer: PreTrainedTokenizerBase, keep: int) -> list[int] | None:
+    """The prefix of a finished reply at which `batched_generate` with `looping=reply_loops(keep)` would
+    have ended it, or None where it would not have: how chats answered before `stop_loops` was set are
+    brought under the same rule."""
+    for length in range(LOOP_CHECK_EVERY, len(ids) + 1, LOOP_CHECK_EVERY):
+        if reply_loops(ids[:length], tokenizer, keep):
+            return ids[:length]
+    return None
 
 
 def read_prompts(path: str | Path, start: int = 0, limit: int | None = None) -> list[dict]:
@@ -135,12 +162,14 @@ def regenerate(
     seed: int = 0,
     max_prompt_tokens: int | None = None,
     drop_stale: bool = False,
+    stop_loops: int = 0,
 ) -> dict[str, int]:
     """Answer every prompt with the target itself and write the chats as JSONL shards (self-distillation).
 
     Resumable: ids in finished shards are skipped and new shards continue the numbering. Output rows are
     {"id", "source", "messages": prompt + [{"role": "assistant", "content": reply}], "finish_reason"}, with
-    finish_reason "stop" (an end-of-sequence token ended the reply) or "length" (max_new_tokens hit).
+    finish_reason "stop" (an end-of-sequence token ended the reply), "length" (max_new_tokens hit) or "loop"
+    (`stop_loops`).
 
     Args:
         model: the target, in eval mode.
@@ -158,9 +187,14 @@ def regenerate(
             14k-token prompt in a batch of 48 asks for tens of GiB). None: no limit.
         drop_stale: first remove the finished chats whose prompt is no longer the prompt of their id in
             `rows` (`drop_stale_chats`), so they are answered again.
+        stop_loops: > 0: end a reply once it holds this many repeated runs of words (`reply_loops`, checked
+            every `LOOP_CHECK_EVERY` tokens), and first cut the finished "length" chats in `out_dir` where
+            that rule would have ended them (`cut_looping_chats`). A small target's long greedy replies
+            mostly loop to the cap; set it above the `data.trim_loops` the heads train with, so that trimming
+            cuts these replies where it cuts the whole ones. 0: replies run to a stop token or the cap.
     Returns:
         {"skipped": rows already done, "generated": rows written now, "shards": shards written now,
-        "too_long": prompts left out for max_prompt_tokens}.
+        "too_long": prompts left out for max_prompt_tokens, "loops_cut": finished chats cut now}.
     Raises:
         BadRow: a row without "id" or without a user turn, or not a chat.
     """
@@ -172,6 +206,7 @@ def regenerate(
             raise BadRow(f"prompt row without 'id' (keys: {sorted(row)})")
     if drop_stale:
         drop_stale_chats(out, rows)
+    loops_cut = len(cut_looping_chats(out, tokenizer, stop_loops)) if stop_loops > 0 else 0
     done = {row["id"] for path in out.glob("shard-*.jsonl") for _, row in read_rows(path)}
     todo, skipped = {}, 0
     for row in rows:
@@ -198,6 +233,7 @@ def regenerate(
     decoding = {"skip_special_tokens": True, "clean_up_tokenization_spaces": False}  # the text as generated
     padding_side, tokenizer.padding_side = tokenizer.padding_side, "left"  # decoder-only: pad on the left
     pad_token, tokenizer.pad_token_id = tokenizer.pad_token_id, pad_id
+    looping = (lambda ids: reply_loops(ids, tokenizer, stop_loops)) if stop_loops > 0 else None
     bar = tqdm(total=len(todo), desc="regenerate", unit="prompt")
     try:
         for start in range(0, len(todo), shard_size):
@@ -217,11 +253,12 @@ def regenerate(
                     stop_ids,
                     temperature=temperature,
                     generator=generator,
+                    looping=looping,
                 )
-                for i, (new_tokens, stopped) in zip(batch, outputs):
+                for i, (new_tokens, reason) in zip(batch, outputs):
                     reply = tokenizer.decode(new_tokens, **decoding)
                     chunk[i]["messages"] = chunk[i]["messages"] + [{"role": "assistant", "content": reply}]
-                    chunk[i]["finish_reason"] = "stop" if stopped else "length"
+                    chunk[i]["finish_reason"] = reason
                 bar.update(len(batch))
             write_jsonl(out / f"shard-{next_shard:05d}.jsonl", chunk)
             next_shard += 1
@@ -233,6 +270,7 @@ def regenerate(
         "generated": len(todo),
         "shards": -(-len(todo) // shard_size),
         "too_long": too_long,
+        "loops_cut": loops_cut,
     }
 
 
@@ -257,3 +295,32 @@ def drop_stale_chats(out_dir: str | Path, rows: list[dict]) -> list[str]:
             write_jsonl(path, kept)
             removed += [chat["id"] for chat in stale]
     return removed
+
+
+def cut_looping_chats(out_dir: str | Path, tokenizer: PreTrainedTokenizerBase, keep: int) -> list[str]:
+    """Cut every finished chat in `out_dir` whose reply ran to the cap ("length") where `stop_loops=keep`
+    would have ended it (`loop_cut` on the reply's tokens), marking it "loop"; each shard that changes is
+    rewritten atomically.
+
+    Returns:
+        the ids cut.
+    """
+    decoding = {"skip_special_tokens": True, "clean_up_tokenization_spaces": False}
+    cut = []
+    for path in sorted(Path(out_dir).glob("shard-*.jsonl")):
+        chats, changed = [], False
+        for number, chat in read_rows(path):
+            if isinstance(chat, Exception):
+                raise BadRow(f"{path}:{number}: {chat}") from chat
+            if chat.get("finish_reason") == "length" and chat["messages"][-1]["role"] == "assistant":
+                ids = tokenizer(chat["messages"][-1]["content"], add_special_tokens=False)["input_ids"]
+                prefix = loop_cut(ids, tokenizer, keep)
+                if prefix is not None:
+                    reply = {**chat["messages"][-1], "content": tokenizer.decode(prefix, **decoding)}
+                    chat = {**chat, "messages": [*chat["messages"][:-1], reply], "finish_reason": "loop"}
+                    cut.append(chat["id"])
+                    changed = True
+            chats.append(chat)
+        if changed:
+            write_jsonl(path, chats)
+    return cut

@@ -223,9 +223,11 @@ def test_build_dataset_reads_finish_reason(tmp_path, tokenizers):
     rows = [
         {"messages": CHAT[:2], "finish_reason": "length"},
         {"messages": CHAT[:2], "finish_reason": "stop"},
+        {"messages": CHAT[:2], "finish_reason": "loop"},  # ended by regenerate's stop_loops: cut too
     ]
     dataset, _ = build_dataset(_write(tmp_path / "regen.jsonl", rows), tokenizers["smollm2"], max_length=128)
     assert sum(dataset[1]["loss_mask"]) - sum(dataset[0]["loss_mask"]) == 1  # <|im_end|> is one token
+    assert dataset[2]["loss_mask"] == dataset[0]["loss_mask"]
 
 
 @pytest.mark.parametrize("name", ["smollm2", "llama3", "gemma"])

@@ -12,7 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from targets import materialize_default_target
 from train import regen
-from train.data import BadRow, read_rows
+from train.data import BadRow, read_rows, trim_loop
 from train.regen import batched_generate, read_prompts, regenerate
 
 PROMPTS = [
@@ -52,7 +52,7 @@ def _shards(folder) -> dict[str, list[dict]]:
 
 def test_writes_shards_of_prompt_plus_greedy_reply(tmp_path, model, tokenizer):
     stats = regenerate(model, tokenizer, PROMPTS, tmp_path, batch_size=2, max_new_tokens=5, shard_size=2)
-    assert stats == {"skipped": 0, "generated": 5, "shards": 3, "too_long": 0}
+    assert stats == {"skipped": 0, "generated": 5, "shards": 3, "too_long": 0, "loops_cut": 0}
     shards = _shards(tmp_path)
     assert list(shards) == ["shard-00000.jsonl", "shard-00001.jsonl", "shard-00002.jsonl"]
     rows = {row["id"]: row for rows in shards.values() for row in rows}
@@ -80,9 +80,12 @@ def test_second_run_skips_finished_ids_and_adds_new_ones(tmp_path, model, tokeni
     regenerate(model, tokenizer, PROMPTS[:3], tmp_path, batch_size=2, max_new_tokens=3, shard_size=2)
     before = _shards(tmp_path)
     again = regenerate(model, tokenizer, PROMPTS[:3], tmp_path, batch_size=2, max_new_tokens=3, shard_size=2)
-    assert again == {"skipped": 3, "generated": 0, "shards": 0, "too_long": 0} and _shards(tmp_path) == before
+    assert (
+        again == {"skipped": 3, "generated": 0, "shards": 0, "too_long": 0, "loops_cut": 0}
+        and _shards(tmp_path) == before
+    )
     more = regenerate(model, tokenizer, PROMPTS, tmp_path, batch_size=2, max_new_tokens=3, shard_size=2)
-    assert more == {"skipped": 3, "generated": 2, "shards": 1, "too_long": 0}
+    assert more == {"skipped": 3, "generated": 2, "shards": 1, "too_long": 0, "loops_cut": 0}
     after = _shards(tmp_path)
     assert {k: v for k, v in after.items() if k in before} == before
     assert [row["id"] for row in after["shard-00002.jsonl"]] == ["p3", "p4"]
@@ -98,7 +101,7 @@ def test_drop_stale_answers_again_the_prompts_that_changed(tmp_path, model, toke
     stats = regenerate(
         model, tokenizer, changed[:4], tmp_path, batch_size=2, max_new_tokens=3, shard_size=2, drop_stale=True
     )
-    assert stats == {"skipped": 3, "generated": 1, "shards": 1, "too_long": 0}
+    assert stats == {"skipped": 3, "generated": 1, "shards": 1, "too_long": 0, "loops_cut": 0}
     after = _shards(tmp_path)
     assert [r["id"] for r in after["shard-00000.jsonl"]] == ["p0"]  # p1 left its shard
     assert after["shard-00001.jsonl"] == before["shard-00001.jsonl"]
@@ -123,7 +126,7 @@ def test_killed_run_resumes(tmp_path, model, tokenizer, monkeypatch):
     assert list(_shards(tmp_path)) == ["shard-00000.jsonl"]  # the shard in progress was never written
     monkeypatch.undo()
     resumed = regenerate(model, tokenizer, PROMPTS, tmp_path, batch_size=2, max_new_tokens=3, shard_size=2)
-    assert resumed == {"skipped": 2, "generated": 3, "shards": 2, "too_long": 0}
+    assert resumed == {"skipped": 2, "generated": 3, "shards": 2, "too_long": 0, "loops_cut": 0}
     ids = [row["id"] for rows in _shards(tmp_path).values() for row in rows]
     assert sorted(ids) == sorted(p["id"] for p in PROMPTS)  # each exactly once
     assert tokenizer.padding_side == "right"  # restored after the crash too
@@ -172,11 +175,11 @@ def test_batched_generate_drops_finished_rows_and_matches_row_by_row(model, toke
     finally:
         tokenizer.padding_side = "right"
     outputs = batched_generate(model, batch["input_ids"], batch["attention_mask"], 8, {stop})
-    for single, (reply, stopped) in zip(singles, outputs):
+    for single, (reply, reason) in zip(singles, outputs):
         single = single.tolist()
         expected = single[: single.index(stop)] if stop in single else single
-        assert reply == expected and stopped == (stop in single)
-    assert outputs[1] == (singles[1][:3].tolist(), True)
+        assert reply == expected and reason == ("stop" if stop in single else "length")
+    assert outputs[1] == (singles[1][:3].tolist(), "stop")
     seeded = [
         batched_generate(
             model,
@@ -189,7 +192,7 @@ def test_batched_generate_drops_finished_rows_and_matches_row_by_row(model, toke
         )
         for _ in range(2)
     ]
-    assert seeded[0] == seeded[1] and all(len(reply) == 6 and not stopped for reply, stopped in seeded[0])
+    assert seeded[0] == seeded[1] and all(len(reply) == 6 and why == "length" for reply, why in seeded[0])
     with pytest.raises(ValueError, match="max_new_tokens"):
         batched_generate(model, batch["input_ids"], batch["attention_mask"], 0, {stop})
 
@@ -248,3 +251,33 @@ def test_read_prompts_names_rows_by_line_and_refuses_a_bad_line_or_an_empty_rang
     path.write_text(path.read_text() + "{not json\n")
     with pytest.raises(BadRow, match=r"prompts.jsonl:6: "):
         read_prompts(path)
+
+
+def test_stop_loops_ends_looping_replies_and_cuts_finished_ones_where_it_would_have(
+    tmp_path, model, tokenizer
+):
+    """With stop_loops=K a reply ends at the first multiple of LOOP_CHECK_EVERY tokens at which it holds K
+    repeated word runs, marked "loop": a prefix of the whole reply that trimming below K cuts where it cuts
+    the whole one. Chats answered before are cut the same way on the next run (the random target loops on
+    some prompts within 96 tokens)."""
+    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
+    regenerate(model, tokenizer, PROMPTS, whole, batch_size=5, max_new_tokens=96)
+    stats = regenerate(model, tokenizer, PROMPTS, stopped, batch_size=5, max_new_tokens=96, stop_loops=2)
+    full = {row["id"]: row for rows in _shards(whole).values() for row in rows}
+    cut = {row["id"]: row for rows in _shards(stopped).values() for row in rows}
+    loops = sorted(i for i, row in cut.items() if row["finish_reason"] == "loop")
+    assert stats["loops_cut"] == 0 and loops and len(loops) < len(PROMPTS)  # some loop, some do not
+    for i, row in full.items():
+        text, short = row["messages"][-1]["content"], cut[i]["messages"][-1]["content"]
+        if i not in loops:
+            assert cut[i] == row and trim_loop(text, 2) is None
+            continue
+        length = len(tokenizer(short, add_special_tokens=False)["input_ids"])
+        assert text.startswith(short) and len(short) < len(text) and length % regen.LOOP_CHECK_EVERY == 0
+        assert trim_loop(short, 2) is not None and trim_loop(short, 1) == trim_loop(text, 1)
+        earlier = tokenizer.decode(tokenizer(short, add_special_tokens=False)["input_ids"][:-16])
+        assert trim_loop(earlier, 2) is None  # not one check later than needed
+    again = regenerate(model, tokenizer, PROMPTS, whole, batch_size=5, max_new_tokens=96, stop_loops=2)
+    assert again["generated"] == 0 and again["loops_cut"] == len(loops)
+    assert {row["id"]: row for rows in _shards(whole).values() for row in rows} == cut
+    assert regenerate(model, tokenizer, PROMPTS, whole, max_new_tokens=96, stop_loops=2)["loops_cut"] == 0
