@@ -15,6 +15,7 @@ from heads.files import write_jsonl
 from train.data import BadRow, _render, pad_token_id, read_rows, to_messages, trim_loop
 
 LOOP_CHECK_EVERY = 16  # tokens: how often a growing reply is checked for a loop (`stop_loops`)
+DECODING = {"skip_special_tokens": True, "clean_up_tokenization_spaces": False}  # a reply's text as generated
 
 
 @torch.no_grad()
@@ -107,8 +108,7 @@ def batched_generate(
 
 def reply_loops(ids: list[int], tokenizer: PreTrainedTokenizerBase, keep: int) -> bool:
     """Whether the reply `ids` decodes to text with at least `keep` repeated runs of words (`trim_loop`)."""
-    text = tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-    return trim_loop(text, keep) is not None
+    return trim_loop(tokenizer.decode(ids, **DECODING), keep) is not None
 
 
 def loop_cut(ids: list[int], tokenizer: PreTrainedTokenizerBase, keep: int) -> list[int] | None:
@@ -230,7 +230,6 @@ def regenerate(
     stop_ids = set(eos if isinstance(eos, list) else [tokenizer.eos_token_id if eos is None else eos])
     pad_id = pad_token_id(tokenizer)
     generator = torch.Generator(device=model.device).manual_seed(seed)
-    decoding = {"skip_special_tokens": True, "clean_up_tokenization_spaces": False}  # the text as generated
     padding_side, tokenizer.padding_side = tokenizer.padding_side, "left"  # decoder-only: pad on the left
     pad_token, tokenizer.pad_token_id = tokenizer.pad_token_id, pad_id
     looping = (lambda ids: reply_loops(ids, tokenizer, stop_loops)) if stop_loops > 0 else None
@@ -256,7 +255,7 @@ def regenerate(
                     looping=looping,
                 )
                 for i, (new_tokens, reason) in zip(batch, outputs):
-                    reply = tokenizer.decode(new_tokens, **decoding)
+                    reply = tokenizer.decode(new_tokens, **DECODING)
                     chunk[i]["messages"] = chunk[i]["messages"] + [{"role": "assistant", "content": reply}]
                     chunk[i]["finish_reason"] = reason
                 bar.update(len(batch))
@@ -305,7 +304,6 @@ def cut_looping_chats(out_dir: str | Path, tokenizer: PreTrainedTokenizerBase, k
     Returns:
         the ids cut.
     """
-    decoding = {"skip_special_tokens": True, "clean_up_tokenization_spaces": False}
     cut = []
     for path in sorted(Path(out_dir).glob("shard-*.jsonl")):
         chats, changed = [], False
@@ -316,7 +314,7 @@ def cut_looping_chats(out_dir: str | Path, tokenizer: PreTrainedTokenizerBase, k
                 ids = tokenizer(chat["messages"][-1]["content"], add_special_tokens=False)["input_ids"]
                 prefix = loop_cut(ids, tokenizer, keep)
                 if prefix is not None:
-                    reply = {**chat["messages"][-1], "content": tokenizer.decode(prefix, **decoding)}
+                    reply = {**chat["messages"][-1], "content": tokenizer.decode(prefix, **DECODING)}
                     chat = {**chat, "messages": [*chat["messages"][:-1], reply], "finish_reason": "loop"}
                     cut.append(chat["id"])
                     changed = True
