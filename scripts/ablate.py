@@ -2,6 +2,11 @@
 format). Rerun the same command to resume: finished arms are skipped, an interrupted one resumes.
 
     python scripts/ablate.py configs/ablation/smollm2.yaml [--arms baseline ttt5] [--no-train] [--dump-only]
+        [--train-only]
+
+Two lanes on a 2-core CPU: `OMP_NUM_THREADS=1 python scripts/ablate.py SPEC --arms A B --train-only` and
+the same with other arms, side by side; then `python scripts/ablate.py SPEC --no-train` judges every trained
+arm in one table.
 
 Prompts per category: chat and instruction from data/smollm2/prompts_eval.jsonl, code from HumanEval
 (prompts_code_eval.jsonl), the benchmark's own (benchmarks.prompts.load_prompts), never trained on; with the
@@ -31,6 +36,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--arms", nargs="*", default=None, help="only these arms (default: all, in order)")
     parser.add_argument("--no-train", action="store_true", help="evaluate the arms trained so far only")
     parser.add_argument("--dump-only", action="store_true", help="offline spec: dump the states, then stop")
+    parser.add_argument(
+        "--train-only",
+        action="store_true",
+        help="train the arms, then stop (judge them later with --no-train)",
+    )
     args = parser.parse_args(argv)
     try:
         spec = load_spec(args.spec)
@@ -40,6 +50,8 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [n for n in names if n not in spec.arms]
     if unknown:
         raise SystemExit(f"{args.spec}: no arm(s) {unknown}; the spec has {list(spec.arms)}")
+    if args.train_only and args.no_train:
+        raise SystemExit("--train-only and --no-train exclude each other")
     if args.dump_only and spec.states_dir is None:
         raise SystemExit(f"{args.spec}: --dump-only: the spec trains online (no hidden_states: offline)")
     dumped = None
@@ -57,6 +69,9 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"[{name}] not trained: left out")
                 continue
         records.append(run_arm(spec, name))
+    if args.train_only:
+        print(f"trained: {', '.join(r['arm'] for r in records)} (judge them with --no-train)")
+        return
     classes = {"eagle": EagleRunConfig, "medusa": MedusaRunConfig}
     base = load_config(classes[spec.recipe], spec.base, spec.overrides)
     model, tokenizer = load_target(base.model.target)

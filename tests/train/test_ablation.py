@@ -227,6 +227,26 @@ def test_script_refuses_an_unknown_arm(tmp_path, capsys):
         main([str(_spec_file(tmp_path)), "--arms", "nope"])
 
 
+def test_train_only_trains_the_arms_named_and_judges_none(tmp_path, capsys):
+    """--train-only (one lane of two on a 2-core CPU): the arms train, nothing loads the target or judges."""
+    main = runpy.run_path(str(ROOT / "scripts" / "ablate.py"))["main"]
+    trained = []
+
+    def run_arm(spec, name):
+        trained.append(name)
+        return {"arm": name, "overrides": spec.arms[name], "seconds": 1.0}
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("judged or loaded the target")
+
+    main.__globals__.update(run_arm=run_arm, judge_arm=refuse, load_target=refuse)
+    spec = _spec_file(tmp_path, arms={"a": [], "b": ["eagle.ttt_steps=1"], "c": []})
+    main([str(spec), "--arms", "b", "a", "--train-only"])
+    assert trained == ["b", "a"] and "trained: b, a" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="exclude each other"):
+        main([str(spec), "--train-only", "--no-train"])
+
+
 def test_the_committed_spec_loads_and_every_arm_is_a_valid_run_config():
     spec = load_spec(ROOT / "configs" / "ablation" / "smollm2.yaml")
     assert next(iter(spec.arms)) == "baseline" and len(spec.arms) >= 8
