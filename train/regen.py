@@ -28,7 +28,6 @@ def batched_generate(
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
     looping: Callable[[list[int]], bool] | None = None,
-    check_every: int = LOOP_CHECK_EVERY,
 ) -> list[tuple[list[int], str]]:
     """Decode a left-padded batch, dropping each row from the batch (and its KV cache) as soon as it stops.
 
@@ -43,9 +42,8 @@ def batched_generate(
         stop_ids: tokens that end a reply (kept out of the returned reply).
         temperature: 0 = greedy; > 0 samples softmax(logits / temperature), nothing else applied.
         generator: random source for sampling.
-        looping: called on a row's reply so far whenever its length is a multiple of `check_every`; True
-            ends the row there (a reply stuck in a repetition loop, `reply_loops`).
-        check_every: see `looping`.
+        looping: called on a row's reply so far whenever its length is a multiple of `LOOP_CHECK_EVERY`;
+            True ends the row there (a reply stuck in a repetition loop, `reply_loops`).
     Returns:
         per row, (reply token ids without the stop token, why it ended: "stop" (a stop token), "loop"
         (`looping`) or "length" (max_new_tokens)).
@@ -85,7 +83,7 @@ def batched_generate(
         else:
             token = logits.argmax(-1)
         ends = torch.isin(token, stop)
-        check = looping is not None and (step + 1) % check_every == 0
+        check = looping is not None and (step + 1) % LOOP_CHECK_EVERY == 0
         for i, (row, value, end) in enumerate(zip(alive.tolist(), token.tolist(), ends.tolist())):
             if end:
                 ended[row] = "stop"
@@ -273,6 +271,26 @@ def regenerate(
     }
 
 
+def _rewrite_chats(out_dir: str | Path, change: Callable[[dict], dict | None]) -> list[str]:
+    """Pass every finished chat in `out_dir` through `change` (the chat itself: kept as it is; another dict:
+    kept in its place; None: removed), rewriting atomically each shard where one changed; returns the ids of
+    the chats changed or removed."""
+    changed = []
+    for path in sorted(Path(out_dir).glob("shard-*.jsonl")):
+        chats, before = [], len(changed)
+        for number, chat in read_rows(path):
+            if isinstance(chat, Exception):
+                raise BadRow(f"{path}:{number}: {chat}") from chat
+            new = change(chat)
+            if new is not chat:
+                changed.append(chat["id"])
+            if new is not None:
+                chats.append(new)
+        if len(changed) > before:
+            write_jsonl(path, chats)
+    return changed
+
+
 def drop_stale_chats(out_dir: str | Path, rows: list[dict]) -> list[str]:
     """Remove from the shards in `out_dir` every chat whose id is among `rows` but whose prompt (its messages
     before the reply) differs from that row's prompt now; each shard is rewritten atomically. Chats of ids
@@ -282,18 +300,12 @@ def drop_stale_chats(out_dir: str | Path, rows: list[dict]) -> list[str]:
         the ids removed.
     """
     prompts = {row["id"]: _prompt(row) for row in rows}
-    removed = []
-    for path in sorted(Path(out_dir).glob("shard-*.jsonl")):
-        kept, stale = [], []
-        for number, chat in read_rows(path):
-            if isinstance(chat, Exception):
-                raise BadRow(f"{path}:{number}: {chat}") from chat
-            now = prompts.get(chat.get("id"))
-            (stale if now is not None and chat["messages"][:-1] != now else kept).append(chat)
-        if stale:
-            write_jsonl(path, kept)
-            removed += [chat["id"] for chat in stale]
-    return removed
+
+    def keep_current(chat: dict) -> dict | None:
+        now = prompts.get(chat.get("id"))
+        return None if now is not None and chat["messages"][:-1] != now else chat
+
+    return _rewrite_chats(out_dir, keep_current)
 
 
 def cut_looping_chats(out_dir: str | Path, tokenizer: PreTrainedTokenizerBase, keep: int) -> list[str]:
@@ -304,21 +316,15 @@ def cut_looping_chats(out_dir: str | Path, tokenizer: PreTrainedTokenizerBase, k
     Returns:
         the ids cut.
     """
-    cut = []
-    for path in sorted(Path(out_dir).glob("shard-*.jsonl")):
-        chats, changed = [], False
-        for number, chat in read_rows(path):
-            if isinstance(chat, Exception):
-                raise BadRow(f"{path}:{number}: {chat}") from chat
-            if chat.get("finish_reason") == "length" and chat["messages"][-1]["role"] == "assistant":
-                ids = tokenizer(chat["messages"][-1]["content"], add_special_tokens=False)["input_ids"]
-                prefix = loop_cut(ids, tokenizer, keep)
-                if prefix is not None:
-                    reply = {**chat["messages"][-1], "content": tokenizer.decode(prefix, **DECODING)}
-                    chat = {**chat, "messages": [*chat["messages"][:-1], reply], "finish_reason": "loop"}
-                    cut.append(chat["id"])
-                    changed = True
-            chats.append(chat)
-        if changed:
-            write_jsonl(path, chats)
-    return cut
+
+    def cut(chat: dict) -> dict:
+        if chat.get("finish_reason") != "length" or chat["messages"][-1]["role"] != "assistant":
+            return chat
+        ids = tokenizer(chat["messages"][-1]["content"], add_special_tokens=False)["input_ids"]
+        prefix = loop_cut(ids, tokenizer, keep)
+        if prefix is None:
+            return chat
+        reply = {**chat["messages"][-1], "content": tokenizer.decode(prefix, **DECODING)}
+        return {**chat, "messages": [*chat["messages"][:-1], reply], "finish_reason": "loop"}
+
+    return _rewrite_chats(out_dir, cut)
