@@ -16,6 +16,7 @@ The spec is a YAML file:
     prompts: 10                        # held-out prompts per category
     new_tokens: 64
     heldout: true                      # optional: also the held-out-source categories, pooled per kind
+    chain: 3                           # optional: also judged with a chain of 3 drafts (what vLLM serves)
     arms:                              # name -> its own overrides; the first is the reference
       baseline: []
       ttt5: [eagle.ttt_steps=5]
@@ -56,6 +57,9 @@ class AblationSpec:
     new_tokens: int = 64
     hidden_states: str = "online"
     heldout: bool = False  # also judge on the held-out-source categories (benchmarks.prompts.load_prompts)
+    chain: int | None = (
+        None  # also judge with a chain of this many top-1 drafts (vLLM's num_speculative_tokens)
+    )
 
     @property
     def states_dir(self) -> Path | None:
@@ -104,8 +108,10 @@ def load_spec(path: str | Path) -> AblationSpec:
         )
     if not isinstance(raw.get("heldout", False), bool):
         raise TypeError(f"{path}: heldout must be true or false, found {raw['heldout']!r}")
-    for key in ("prompts", "new_tokens"):
-        if key in raw and (not isinstance(raw[key], int) or raw[key] < 1):
+    for key in ("prompts", "new_tokens", "chain"):
+        if key == "chain" and raw.get(key) is None:
+            continue
+        if key in raw and (isinstance(raw[key], bool) or not isinstance(raw[key], int) or raw[key] < 1):
             raise ValueError(f"{path}: {key} must be a positive integer, found {raw[key]!r}")
     return AblationSpec(
         recipe=raw["recipe"],
@@ -117,6 +123,7 @@ def load_spec(path: str | Path) -> AblationSpec:
         new_tokens=raw.get("new_tokens", 64),
         hidden_states=raw.get("hidden_states", "online"),
         heldout=raw.get("heldout", False),
+        chain=raw.get("chain"),
     )
 
 
@@ -200,8 +207,10 @@ def run_arm(spec: AblationSpec, name: str, log=print) -> dict:
     return record
 
 
-def _pooled_tau(model, tokenizer, head, rows: list[dict], new_tokens: int, batch_size: int) -> dict:
-    """Greedy decoding with the head's default tree on chat-template prompts
+def _pooled_tau(
+    model, tokenizer, head, rows: list[dict], new_tokens: int, batch_size: int, tree=None
+) -> dict:
+    """Greedy decoding with `tree` (None: the head's default tree) on chat-template prompts
     (`decode.generate.decode_prompts`, `batch_size` prompts per batch: the same tokens and steps as one at a
     time): pooled tau (tokens emitted by verify passes / verify passes, the bonus token counted, the prefill's
     token left out, as `benchmarks.benchmark` pools it) and the median of per-prompt taus."""
@@ -217,6 +226,7 @@ def _pooled_tau(model, tokenizer, head, rows: list[dict], new_tokens: int, batch
         max_new_tokens=new_tokens,
         batch_size=batch_size,
         pad_token_id=pad_token_id(tokenizer),
+        tree=tree,
     )
     emitted = sum(len(r.reply) - 1 for r in results)
     steps = sum(r.steps for r in results)
@@ -258,17 +268,23 @@ def pooled_kinds(taus: dict[str, dict]) -> dict[str, dict]:
 
 
 def evaluate_arm(
-    model, tokenizer, head_dir: Path, prompts: dict[str, list[dict]], new_tokens: int, batch_size: int = 1
+    model,
+    tokenizer,
+    head_dir: Path,
+    prompts: dict[str, list[dict]],
+    new_tokens: int,
+    batch_size: int = 1,
+    tree=None,
 ) -> dict:
     """{category: pooled tau record} of the head in `head_dir` on `prompts` ({category: rows}), decoded
-    `batch_size` prompts at a time."""
+    `batch_size` prompts at a time with `tree` (None: the head's default tree)."""
     from heads import load_heads
 
     head = load_heads(head_dir, model)
     with torch.no_grad():
         return pooled_kinds(
             {
-                category: _pooled_tau(model, tokenizer, head, rows, new_tokens, batch_size)
+                category: _pooled_tau(model, tokenizer, head, rows, new_tokens, batch_size, tree)
                 for category, rows in prompts.items()
             }
         )
@@ -310,8 +326,20 @@ def judge_arm(
 ) -> list[dict]:
     """An arm's results, one per head it is judged by (`arm_heads`): its training record, the head, the
     simulated tau its run recorded for it, its draft cost (on the first chat prompt, or the first prompt of
-    any category) and its tau per category."""
+    any category), its tau per category and, when the spec names a chain, its tau per category with that
+    chain ("chain_tau")."""
+    from decode.tree import chain  # lazy, as in `_pooled_tau`
+
     first = next(iter(prompts.get("chat") or [r for rows in prompts.values() for r in rows]))
+
+    def chained(head_dir: Path) -> dict:
+        if spec.chain is None:
+            return {}
+        taus = evaluate_arm(
+            model, tokenizer, head_dir, prompts, spec.new_tokens, spec.prompts, tree=chain(spec.chain)
+        )
+        return {"chain_tau": taus}
+
     return [
         {
             **record,
@@ -322,6 +350,7 @@ def judge_arm(
             "tau": evaluate_arm(
                 model, tokenizer, head_dir, prompts, spec.new_tokens, batch_size=spec.prompts
             ),
+            **chained(head_dir),
         }
         for head_dir in arm_heads(spec.output_dir / record["arm"])
     ]
@@ -331,7 +360,14 @@ def render(spec: AblationSpec, results: list[dict], dump_seconds: float | None =
     """A markdown table: one row per arm, its overrides, training seconds, the head judged, the simulated tau
     its run recorded, the draft cost per step and tau per category (and, offline, what the dump took)."""
     categories = list(results[0]["tau"]) if results else []
+    # with a chain: its tau on chat and on each kind of source (every category is in ablation.json)
+    chained = (
+        [c for c in ("chat", "in-source", "held-out") if c in results[0].get("chain_tau", {})]
+        if results
+        else []
+    )
     head = ["arm", "overrides", "train s", "head", "sim tau", "draft ms", *(f"{c} tau" for c in categories)]
+    head += [f"chain-{spec.chain} {c} tau" for c in chained]
     title = (
         f"Ablation of `{spec.base}` ({spec.recipe}), common overrides: `{' '.join(spec.overrides) or '-'}`; "
         f"greedy `decode.generate`, default tree, {spec.prompts} held-out prompts per category, "
@@ -340,6 +376,11 @@ def render(spec: AblationSpec, results: list[dict], dump_seconds: float | None =
         "recorded it; draft ms: the drafter's median milliseconds per greedy step with the default tree on "
         "this machine."
     )
+    if chained:
+        title += (
+            f" chain-{spec.chain}: tau with a chain of {spec.chain} top-1 drafts (what vLLM serves with "
+            f"num_speculative_tokens={spec.chain}), the same prompts."
+        )
     if spec.states_dir is not None:
         took = "" if dump_seconds is None else f" ({dump_seconds:.0f} s, once)"
         title += (
@@ -354,6 +395,7 @@ def render(spec: AblationSpec, results: list[dict], dump_seconds: float | None =
     ]
     for r in results:
         taus = [f"{r['tau'][c]['tau']:.2f} ({r['tau'][c]['tau_median']:.2f})" for c in categories]
+        taus += [f"{r['chain_tau'][c]['tau']:.2f} ({r['chain_tau'][c]['tau_median']:.2f})" for c in chained]
         overrides = " ".join(f"`{o}`" for o in r["overrides"]) or "(reference)"
         sim = "-" if r.get("eval_tau") is None else f"{r['eval_tau']:.2f}"
         cost = "-" if r.get("draft_ms") is None else f"{r['draft_ms']:.1f}"

@@ -53,6 +53,8 @@ def _spec_file(tmp_path, **fields) -> Path:
         ({"arms": {"a": ["eagle.ttt_steps"]}}, "arm 'a' must list"),
         ({"arms": {"a": ["train.output_dir=x"]}}, "its folder is output_dir/<name>"),
         ({"prompts": 0}, "prompts must be a positive integer"),
+        ({"chain": 0}, "chain must be a positive integer, found 0"),
+        ({"chain": True}, "chain must be a positive integer, found True"),
     ],
 )
 def test_spec_errors_name_the_file_and_the_key(tmp_path, fields, message):
@@ -91,7 +93,7 @@ def test_pooled_kinds_pool_each_kind_over_its_prompts_and_give_their_ratio():
 
 def test_the_committed_generalisation_spec_judges_held_out_sources():
     spec = load_spec(ROOT / "configs" / "ablation" / "generalise.yaml")
-    assert spec.heldout and next(iter(spec.arms)) == "baseline"
+    assert spec.heldout and spec.chain == 3 and next(iter(spec.arms)) == "baseline"
     for name in spec.arms:
         cfg = load_config(EagleRunConfig, ROOT / spec.base, arm_command(spec, name)[3:])
         assert cfg.train.max_steps == 600
@@ -135,7 +137,7 @@ def test_two_arms_train_resume_evaluate_and_tabulate(tmp_path, tiny_target_dir, 
     ]
     best = ["train.keep_best_tau=true", "train.eval_every_steps=1"]
     arms = {"reference": best, "ttt1": ["eagle.ttt_steps=1"], "broken": ["eagle.ttt_steps=0"]}
-    spec = load_spec(_spec_file(tmp_path, overrides=common, arms=arms, prompts=2, new_tokens=6))
+    spec = load_spec(_spec_file(tmp_path, overrides=common, arms=arms, prompts=2, new_tokens=6, chain=2))
     logs = []
     # "ttt1" interrupted after one step: a first launch that stops there, then the arm resumes from step 1
     first = load_spec(
@@ -167,7 +169,9 @@ def test_two_arms_train_resume_evaluate_and_tabulate(tmp_path, tiny_target_dir, 
         ("ttt1", "head"),
     ]
     for result in results:
-        assert [c for c in result["tau"]] == ["chat", "code"]
+        assert [c for c in result["tau"]] == ["chat", "code"] == list(result["chain_tau"])
+        # a chain of 2 drafts: at most 3 tokens per verify pass
+        assert all(1.0 <= t["tau"] <= 3.0 for t in result["chain_tau"].values())
         assert result["tau"]["chat"]["prompts"] == 2 and result["tau"]["code"]["prompts"] == 1
         assert all(t["tau"] >= 1.0 and t["tau_median"] >= 1.0 for t in result["tau"].values())
         config = json.loads((spec.output_dir / result["arm"] / result["head"] / "config.json").read_text())
@@ -176,11 +180,16 @@ def test_two_arms_train_resume_evaluate_and_tabulate(tmp_path, tiny_target_dir, 
     assert results[0]["tau"] == evaluate_arm(
         model, tokenizer, spec.output_dir / "reference" / "head", prompts, 6
     )
+    assert results[0]["chain_tau"] == evaluate_arm(
+        model, tokenizer, spec.output_dir / "reference" / "head", prompts, 6, tree=[(0,), (0, 0)]
+    )
     data, table = write_results(spec, results)
     text = table.read_text()
     assert text == render(spec, results) and "| ttt1 | `eagle.ttt_steps=1` |" in text
     assert "| reference | `train.keep_best_tau=true` `train.eval_every_steps=1` |" in text
     assert f"| {BEST_DIR} | {results[1]['eval_tau']:.2f} | {results[1]['draft_ms']:.1f} |" in text
+    chat = results[2]["chain_tau"]["chat"]
+    assert "| chain-2 chat tau |" in text and f"| {chat['tau']:.2f} ({chat['tau_median']:.2f}) |\n" in text
     assert text.count("\n| ") == 4  # header + 3 judged heads
     assert [r["arm"] for r in json.loads(data.read_text())["results"]] == ["reference", "reference", "ttt1"]
 
