@@ -59,7 +59,11 @@ def _heads(model, kind):
 def test_random_heads_are_lossless_on_default_target(target, prompts, plain_outputs, kind):
     model, _ = target
     heads, tree = _heads(model, kind)
-    for ids, plain in zip(prompts, plain_outputs):
+    # the shortest and the longest prompt (CI minutes: the shipped heads' tests decode the default target with
+    # real drafts, and the oracle test below takes deep paths; this one covers drafts that are mostly wrong)
+    order = sorted(range(len(prompts)), key=lambda i: prompts[i].shape[1])
+    for index in (order[0], order[-1]):
+        ids, plain = prompts[index], plain_outputs[index]
         assert plain.new_tokens == 64 or plain.stopped_at_eos
         out = generate(model, ids, heads, max_new_tokens=64, tree=tree).one
         assert torch.equal(out.sequences, plain.sequences), f"{kind} changed the output of prompt {ids.shape}"
