@@ -22,7 +22,15 @@ from pathlib import Path
 
 from benchmarks.prompts import load_prompts
 from targets import load_target
-from train.ablation import DUMPED, dump_states, judge_arm, load_spec, run_arm, write_results
+from train.ablation import (
+    DUMPED,
+    dump_states,
+    judge_arm,
+    load_spec,
+    reference_record,
+    run_arm,
+    write_results,
+)
 from train.config import EagleRunConfig, MedusaRunConfig, load_config
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "smollm2"
@@ -33,7 +41,12 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("spec", type=Path, help="ablation YAML (train/ablation.py)")
-    parser.add_argument("--arms", nargs="*", default=None, help="only these arms (default: all, in order)")
+    parser.add_argument(
+        "--arms",
+        nargs="*",
+        default=None,
+        help="only these arms or references (default: every arm in order, then the spec's references)",
+    )
     parser.add_argument("--no-train", action="store_true", help="evaluate the arms trained so far only")
     parser.add_argument("--dump-only", action="store_true", help="offline spec: dump the states, then stop")
     parser.add_argument(
@@ -46,10 +59,13 @@ def main(argv: list[str] | None = None) -> None:
         spec = load_spec(args.spec)
     except (TypeError, ValueError) as error:
         raise SystemExit(str(error)) from error
-    names = args.arms or list(spec.arms)
-    unknown = [n for n in names if n not in spec.arms]
+    names = args.arms or [*spec.arms, *spec.references]
+    unknown = [n for n in names if n not in spec.arms and n not in spec.references]
     if unknown:
-        raise SystemExit(f"{args.spec}: no arm(s) {unknown}; the spec has {list(spec.arms)}")
+        raise SystemExit(
+            f"{args.spec}: no arm(s) {unknown}; the spec has {list(spec.arms)}"
+            + (f" and references {list(spec.references)}" if spec.references else "")
+        )
     if args.train_only and args.no_train:
         raise SystemExit("--train-only and --no-train exclude each other")
     if args.dump_only and spec.states_dir is None:
@@ -63,6 +79,13 @@ def main(argv: list[str] | None = None) -> None:
         dumped = json.loads((spec.states_dir / DUMPED).read_text())["seconds"]
     records = []
     for name in names:
+        if name in spec.references:  # judged as it is: nothing to train
+            if not args.train_only:
+                try:
+                    records.append(reference_record(spec, name))
+                except FileNotFoundError as error:
+                    raise SystemExit(f"{args.spec}: {error}") from error
+            continue
         if args.no_train:
             done = spec.output_dir / name / "ablation_done.json"
             if not done.is_file():

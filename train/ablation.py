@@ -17,6 +17,8 @@ The spec is a YAML file:
     new_tokens: 64
     heldout: true                      # optional: also the held-out-source categories, pooled per kind
     chain: 3                           # optional: also judged with a chain of 3 drafts (what vLLM serves)
+    references:                        # optional: heads trained elsewhere, judged beside the arms
+      shipped: pretrained/smollm2-135m-instruct/eagle3   # (relative to the repository root)
     arms:                              # name -> its own overrides; the first is the reference
       baseline: []
       ttt5: [eagle.ttt_steps=5]
@@ -57,9 +59,9 @@ class AblationSpec:
     new_tokens: int = 64
     hidden_states: str = "online"
     heldout: bool = False  # also judge on the held-out-source categories (benchmarks.prompts.load_prompts)
-    chain: int | None = (
-        None  # also judge with a chain of this many top-1 drafts (vLLM's num_speculative_tokens)
-    )
+    # also judge with a chain of this many top-1 drafts (vLLM's num_speculative_tokens)
+    chain: int | None = None
+    references: dict[str, Path] = field(default_factory=dict)  # name -> a head folder judged, not trained
 
     @property
     def states_dir(self) -> Path | None:
@@ -98,6 +100,12 @@ def load_spec(path: str | Path) -> AblationSpec:
             raise ValueError(f"{path}: arm {name!r} must list 'section.key=value' overrides, found {extra!r}")
         if "/" in str(name) or any(o.startswith("train.output_dir=") for o in extra):
             raise ValueError(f"{path}: arm {name!r}: its folder is output_dir/<name>, not set by an override")
+    references = raw.get("references") or {}
+    if not isinstance(references, dict) or not all(isinstance(v, str) for v in references.values()):
+        raise ValueError(f"{path}: references must map names to head folders, found {references!r}")
+    clash = sorted(set(map(str, references)) & set(map(str, arms)))
+    if clash:
+        raise ValueError(f"{path}: reference(s) {clash} named like arms; give them other names")
     if raw.get("hidden_states", "online") not in HIDDEN_STATES:
         raise ValueError(
             f"{path}: hidden_states {raw['hidden_states']!r}, expected one of {list(HIDDEN_STATES)}"
@@ -124,6 +132,7 @@ def load_spec(path: str | Path) -> AblationSpec:
         hidden_states=raw.get("hidden_states", "online"),
         heldout=raw.get("heldout", False),
         chain=raw.get("chain"),
+        references={str(k): ROOT / Path(v).expanduser() for k, v in references.items()},
     )
 
 
@@ -205,6 +214,15 @@ def run_arm(spec: AblationSpec, name: str, log=print) -> dict:
     record = {"arm": name, "overrides": spec.arms[name], "seconds": seconds}
     write_json(done, record)
     return record
+
+
+def reference_record(spec: AblationSpec, name: str) -> dict:
+    """The record of reference `name` (a head trained elsewhere: judged as it is, with no training seconds);
+    FileNotFoundError naming the folder when it holds no head."""
+    folder = spec.references[name]
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"reference {name!r}: no head in {folder} (no config.json)")
+    return {"arm": name, "overrides": [], "seconds": None, "head_dir": str(folder)}
 
 
 def _pooled_tau(
@@ -324,10 +342,10 @@ def draft_cost_ms(model, tokenizer, head_dir: Path, row: dict, repeats: int = 15
 def judge_arm(
     model, tokenizer, spec: AblationSpec, record: dict, prompts: dict[str, list[dict]]
 ) -> list[dict]:
-    """An arm's results, one per head it is judged by (`arm_heads`): its training record, the head, the
-    simulated tau its run recorded for it, its draft cost (on the first chat prompt, or the first prompt of
-    any category), its tau per category and, when the spec names a chain, its tau per category with that
-    chain ("chain_tau")."""
+    """An arm's results, one per head it is judged by (`arm_heads`; a reference's own folder): its training
+    record, the head, the simulated tau its run recorded for it, its draft cost (on the first chat prompt, or
+    the first prompt of any category), its tau per category and, when the spec names a chain, its tau per
+    category with that chain ("chain_tau")."""
     from decode.tree import chain  # lazy, as in `_pooled_tau`
 
     first = next(iter(prompts.get("chat") or [r for rows in prompts.values() for r in rows]))
@@ -352,7 +370,9 @@ def judge_arm(
             ),
             **chained(head_dir),
         }
-        for head_dir in arm_heads(spec.output_dir / record["arm"])
+        for head_dir in (
+            [Path(record["head_dir"])] if "head_dir" in record else arm_heads(spec.output_dir / record["arm"])
+        )
     ]
 
 
@@ -397,13 +417,17 @@ def render(spec: AblationSpec, results: list[dict], dump_seconds: float | None =
         taus = [f"{r['tau'][c]['tau']:.2f} ({r['tau'][c]['tau_median']:.2f})" for c in categories]
         taus += [f"{r['chain_tau'][c]['tau']:.2f} ({r['chain_tau'][c]['tau_median']:.2f})" for c in chained]
         overrides = " ".join(f"`{o}`" for o in r["overrides"]) or "(reference)"
+        if (
+            "head_dir" in r
+        ):  # a head trained elsewhere, by its folder (relative to the repository when inside)
+            folder = Path(r["head_dir"])
+            overrides = f"head `{folder.relative_to(ROOT) if folder.is_relative_to(ROOT) else folder}`"
+        seconds = "-" if r["seconds"] is None else f"{r['seconds']:.0f}"
         sim = "-" if r.get("eval_tau") is None else f"{r['eval_tau']:.2f}"
         cost = "-" if r.get("draft_ms") is None else f"{r['draft_ms']:.1f}"
         judged = r.get("head", "head")
         lines.append(
-            f"| {r['arm']} | {overrides} | {r['seconds']:.0f} | {judged} | {sim} | {cost} | "
-            + " | ".join(taus)
-            + " |"
+            f"| {r['arm']} | {overrides} | {seconds} | {judged} | {sim} | {cost} | " + " | ".join(taus) + " |"
         )
     return "\n".join(lines) + "\n"
 

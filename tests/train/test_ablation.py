@@ -23,6 +23,7 @@ from train.ablation import (
     judge_arm,
     load_spec,
     pooled_kinds,
+    reference_record,
     render,
     run_arm,
     write_results,
@@ -55,6 +56,8 @@ def _spec_file(tmp_path, **fields) -> Path:
         ({"prompts": 0}, "prompts must be a positive integer"),
         ({"chain": 0}, "chain must be a positive integer, found 0"),
         ({"chain": True}, "chain must be a positive integer, found True"),
+        ({"references": {"a": "pretrained/x"}}, r"reference\(s\) \['a'\] named like arms"),
+        ({"references": ["pretrained/x"]}, "references must map names to head folders"),
     ],
 )
 def test_spec_errors_name_the_file_and_the_key(tmp_path, fields, message):
@@ -94,6 +97,7 @@ def test_pooled_kinds_pool_each_kind_over_its_prompts_and_give_their_ratio():
 def test_the_committed_generalisation_spec_judges_held_out_sources():
     spec = load_spec(ROOT / "configs" / "ablation" / "generalise.yaml")
     assert spec.heldout and spec.chain == 3 and next(iter(spec.arms)) == "baseline"
+    assert (spec.references["shipped"] / "config.json").is_file()  # the shipped head: training length
     for name in spec.arms:
         cfg = load_config(EagleRunConfig, ROOT / spec.base, arm_command(spec, name)[3:])
         assert cfg.train.max_steps == 600
@@ -137,7 +141,13 @@ def test_two_arms_train_resume_evaluate_and_tabulate(tmp_path, tiny_target_dir, 
     ]
     best = ["train.keep_best_tau=true", "train.eval_every_steps=1"]
     arms = {"reference": best, "ttt1": ["eagle.ttt_steps=1"], "broken": ["eagle.ttt_steps=0"]}
-    spec = load_spec(_spec_file(tmp_path, overrides=common, arms=arms, prompts=2, new_tokens=6, chain=2))
+    # a reference: a head trained elsewhere (here the reference arm's own, once trained), judged as it is
+    again = {"again": str(tmp_path / "out" / "reference" / "head")}
+    spec = load_spec(
+        _spec_file(tmp_path, overrides=common, arms=arms, prompts=2, new_tokens=6, chain=2, references=again)
+    )
+    with pytest.raises(FileNotFoundError, match=r"reference 'again': no head in .*reference/head"):
+        reference_record(spec, "again")
     logs = []
     # "ttt1" interrupted after one step: a first launch that stops there, then the arm resumes from step 1
     first = load_spec(
@@ -161,20 +171,26 @@ def test_two_arms_train_resume_evaluate_and_tabulate(tmp_path, tiny_target_dir, 
     model, tokenizer = load_target(str(tiny_target_dir))
     chats = [{"messages": [{"role": "user", "content": f"Say {word} twice."}]} for word in ("one", "two")]
     prompts = {"chat": chats, "code": chats[:1]}
+    records.append(reference_record(spec, "again"))
     results = [result for r in records for result in judge_arm(model, tokenizer, spec, r, prompts)]
     # the reference arm kept its best checkpoint too: judged twice; ttt1 by its last step only
     assert [(r["arm"], r["head"]) for r in results] == [
         ("reference", "head"),
         ("reference", BEST_DIR),
         ("ttt1", "head"),
+        ("again", "head"),
     ]
+    # the reference is the reference arm's last head: the same acceptance, no training seconds
+    assert results[3]["tau"] == results[0]["tau"] and results[3]["chain_tau"] == results[0]["chain_tau"]
+    assert results[3]["seconds"] is None
     for result in results:
         assert [c for c in result["tau"]] == ["chat", "code"] == list(result["chain_tau"])
         # a chain of 2 drafts: at most 3 tokens per verify pass
         assert all(1.0 <= t["tau"] <= 3.0 for t in result["chain_tau"].values())
         assert result["tau"]["chat"]["prompts"] == 2 and result["tau"]["code"]["prompts"] == 1
         assert all(t["tau"] >= 1.0 and t["tau_median"] >= 1.0 for t in result["tau"].values())
-        config = json.loads((spec.output_dir / result["arm"] / result["head"] / "config.json").read_text())
+        folder = Path(result.get("head_dir") or spec.output_dir / result["arm"] / result["head"])
+        config = json.loads((folder / "config.json").read_text())
         assert result["eval_tau"] == config["eval_tau"] >= 1.0  # what the run recorded for that head
         assert result["draft_ms"] > 0
     assert results[0]["tau"] == evaluate_arm(
@@ -190,8 +206,10 @@ def test_two_arms_train_resume_evaluate_and_tabulate(tmp_path, tiny_target_dir, 
     assert f"| {BEST_DIR} | {results[1]['eval_tau']:.2f} | {results[1]['draft_ms']:.1f} |" in text
     chat = results[2]["chain_tau"]["chat"]
     assert "| chain-2 chat tau |" in text and f"| {chat['tau']:.2f} ({chat['tau_median']:.2f}) |\n" in text
-    assert text.count("\n| ") == 4  # header + 3 judged heads
-    assert [r["arm"] for r in json.loads(data.read_text())["results"]] == ["reference", "reference", "ttt1"]
+    assert f"| again | head `{again['again']}` | - | head |" in text
+    assert text.count("\n| ") == 5  # header + 4 judged heads
+    arms_judged = [r["arm"] for r in json.loads(data.read_text())["results"]]
+    assert arms_judged == ["reference", "reference", "ttt1", "again"]
 
 
 def test_an_offline_spec_dumps_the_states_once_and_every_arm_reads_them(tmp_path, tiny_target_dir, chat_file):
@@ -254,6 +272,13 @@ def test_train_only_trains_the_arms_named_and_judges_none(tmp_path, capsys):
     assert trained == ["b", "a"] and "trained: b, a" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="exclude each other"):
         main([str(spec), "--train-only", "--no-train"])
+    # a reference has nothing to train: --train-only leaves it out; a missing one stops the judging by name
+    trained.clear()
+    spec = _spec_file(tmp_path, arms={"a": []}, references={"shipped": str(tmp_path / "none")})
+    main([str(spec), "--train-only"])
+    assert trained == ["a"]
+    with pytest.raises(SystemExit, match=r"reference 'shipped': no head in .*none"):
+        main([str(spec)])
 
 
 def test_the_committed_spec_loads_and_every_arm_is_a_valid_run_config():
