@@ -349,17 +349,12 @@ def judge_arm(
     from decode.tree import chain  # lazy, as in `_pooled_tau`
 
     first = next(iter(prompts.get("chat") or [r for rows in prompts.values() for r in rows]))
-
-    def chained(head_dir: Path) -> dict:
-        if spec.chain is None:
-            return {}
-        taus = evaluate_arm(
-            model, tokenizer, head_dir, prompts, spec.new_tokens, spec.prompts, tree=chain(spec.chain)
-        )
-        return {"chain_tau": taus}
-
-    return [
-        {
+    folders = (
+        [Path(record["head_dir"])] if "head_dir" in record else arm_heads(spec.output_dir / record["arm"])
+    )
+    results = []
+    for head_dir in folders:
+        result = {
             **record,
             "head": head_dir.name,
             "eval_tau": recorded_tau(head_dir),
@@ -368,12 +363,13 @@ def judge_arm(
             "tau": evaluate_arm(
                 model, tokenizer, head_dir, prompts, spec.new_tokens, batch_size=spec.prompts
             ),
-            **chained(head_dir),
         }
-        for head_dir in (
-            [Path(record["head_dir"])] if "head_dir" in record else arm_heads(spec.output_dir / record["arm"])
-        )
-    ]
+        if spec.chain is not None:
+            result["chain_tau"] = evaluate_arm(
+                model, tokenizer, head_dir, prompts, spec.new_tokens, spec.prompts, tree=chain(spec.chain)
+            )
+        results.append(result)
+    return results
 
 
 def render(spec: AblationSpec, results: list[dict], dump_seconds: float | None = None) -> str:
