@@ -89,8 +89,9 @@ def _card(
     if config.get("eval_tau") is not None:
         lines.append(f"- Simulated tau recorded by the run on its held-out slice: {config['eval_tau']:.2f}.")
     if bench:
-        setting = (
-            f"{bench.get('max_new_tokens', '?')} new tokens, {bench.get('threads', '?')} threads, "
+        lengths = sorted(set((bench.get("lengths") or {}).values())) or [bench.get("max_new_tokens", "?")]
+        setting = (  # several lengths: rows of the later ones are labelled category@length
+            f"{' and '.join(map(str, lengths))} new tokens, {bench.get('threads', '?')} threads, "
             f"torch {bench.get('torch', '?')}; speedup over plain decoding in the same run."
         )
         lines += [

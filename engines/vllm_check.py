@@ -1,4 +1,5 @@
-"""Runs INSIDE the vLLM venv (see test_vllm_external.py), never imported by selfspec.
+"""Runs INSIDE the vLLM venv (tests/engines/test_vllm_external.py, scripts/bench_vllm.py), never imported by
+selfspec.
 
 Greedy-decodes token-id prompts with vLLM's CPU engine once per job, each job with a draft head (an export
 folder and vLLM's method name) or without one (draft null), and writes, per job, the generated token ids and
@@ -6,9 +7,10 @@ vLLM's speculative-decoding counters, or the error that stopped the job (e.g. an
 Usage: python vllm_check.py TARGET_DIR JOBS.json OUT.json
 JOBS.json: {"prompts": [[ids...], ...], "max_tokens": N,
             "jobs": [{"name", "draft", "method"[, "num_speculative_tokens", "speculative_config",
-                      "target"]}, ...]}
+                      "target", "prompts", "max_model_len", "max_num_batched_tokens"]}, ...]}
 (num_speculative_tokens: 3 unless a job says; a DFlash export drafts its block less the root; target: another
-target folder than TARGET_DIR for that job)
+target folder than TARGET_DIR for that job; prompts: that job's own instead of the shared ones; max_model_len:
+1024 unless a job says; max_num_batched_tokens: max_model_len unless a job says)
 
 The jobs share this one process: vLLM is imported once, and its engine core runs in this process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0) rather than in two more processes per job that would each import it again;
@@ -29,12 +31,16 @@ def run_job(target: str, job: dict, prompts: list, max_tokens: int) -> dict:
     kwargs = {
         "model": job.get("target", target),
         "enforce_eager": True,
-        "max_model_len": 1024,
+        "max_model_len": job.get("max_model_len", 1024),
         "seed": 0,
         "disable_log_stats": False,
         "dtype": "float32",
-        "max_num_seqs": len(prompts),  # one batch of all the prompts, as before; a smaller warm-up than
-        "max_num_batched_tokens": 1024,  # the defaults' (256 sequences, 4096 tokens) at every engine start
+        # one batch of all the prompts, and 1,024 tokens per engine step: a smaller warm-up at every engine
+        # start than the defaults' (256 sequences, 4096 tokens). A job sets more tokens where its prompts
+        # together hold more, so no prefill is split into chunks (chunks gave another draft than ours once
+        # in 1,188 on 10 long prompts: the states computed in pieces)
+        "max_num_seqs": len(prompts),
+        "max_num_batched_tokens": job.get("max_num_batched_tokens", job.get("max_model_len", 1024)),
     }
     if job["draft"] is not None:
         kwargs["speculative_config"] = {
@@ -70,7 +76,8 @@ def main(target: str, jobs_file: str, out_file: str) -> None:
     for job in spec["jobs"]:
         start = time.perf_counter()
         try:
-            results[job["name"]] = run_job(target, job, spec["prompts"], int(spec["max_tokens"]))
+            prompts = job.get("prompts", spec.get("prompts"))
+            results[job["name"]] = run_job(target, job, prompts, int(spec["max_tokens"]))
         except Exception:  # noqa: BLE001 - reported to the test, which decides whether it is expected
             results[job["name"]] = {"error": traceback.format_exc()}
         finally:
