@@ -69,6 +69,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     head_dir = args.head_dir or pretrained_dir(DEFAULT_TARGET, "eagle3")
     config = read_head_config(head_dir)
+    if config.get("base_model") not in (None, DEFAULT_TARGET):  # the prompts and the target are the default's
+        raise SystemExit(f"{head_dir}: a head for {config['base_model']}, not for {DEFAULT_TARGET}")
     fmt, method = vllm_export(config["head_type"])
     default_drafts, speculative = vllm_drafting(config["head_type"], config["head_config"])
     drafts = args.drafts or default_drafts
@@ -102,9 +104,10 @@ def main(argv: list[str] | None = None) -> None:
     work = cache_dir() / "bench_vllm"  # the jobs, vLLM's tokens and its log: kept for a look, not reported
     work.mkdir(parents=True, exist_ok=True)
     (work / "jobs.json").write_text(json.dumps({"max_tokens": args.max_new_tokens, "jobs": jobs}))
-    python, seconds = vllm_python()
-    if seconds is not None:
-        print(f"built the vLLM venv in {seconds:.0f} s", flush=True)
+    (work / "runs.json").unlink(missing_ok=True)  # a run before this one's results are never read as its own
+    python, built = vllm_python()
+    if built is not None:
+        print(f"built the vLLM venv in {built:.0f} s", flush=True)
     start = time.perf_counter()
     with (work / "vllm_check.log").open("w") as log:
         command = [str(python), str(CHECK), target, str(work / "jobs.json"), str(work / "runs.json")]
