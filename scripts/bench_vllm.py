@@ -56,6 +56,12 @@ def theirs(result: dict) -> dict:
     }
 
 
+def engine_tokens(needed: int) -> int:
+    """A token count for vLLM's engine that holds `needed`: vllm_check.py's default 1,024, or more in steps
+    of 256."""
+    return max(1024, -(-needed // 256) * 256)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -95,9 +101,9 @@ def main(argv: list[str] | None = None) -> None:
                 "num_speculative_tokens": drafts,
                 "speculative_config": speculative,
                 "prompts": batch,
-                "max_model_len": max(1024, -(-longest // 256) * 256),
+                "max_model_len": engine_tokens(longest),
                 # every prompt prefilled in the first engine step, none split into chunks (vllm_check.py)
-                "max_num_batched_tokens": max(1024, -(-sum(map(len, batch)) // 256) * 256),
+                "max_num_batched_tokens": engine_tokens(sum(map(len, batch))),
             }
         )
     args.out.mkdir(parents=True, exist_ok=True)
