@@ -212,7 +212,8 @@ def generate(
             default for the target's device and the drafter (`decode.tree.default_tree`): on CUDA the GPU
             sizes of the papers (EAGLE-2's depth 6, top_k 10, 60 tokens for drafters that grow dynamic trees,
             DEFAULT_TREES[GPU_MEDUSA_TREE] for Medusa); elsewhere the sizes measured on a 2-core CPU,
-            DEFAULT_EAGLE_TREE (depth 5, top_k 4, 12 tokens) and DEFAULT_TREES[DEFAULT_MEDUSA_TREE]. Or a
+            DEFAULT_EAGLE_TREE (depth 5, top_k 4, 12 tokens) and DEFAULT_TREES[DEFAULT_MEDUSA_TREE], and when
+            sampling a chain of `decode.tree.SAMPLING_CHAIN` drafts for every drafter. Or a
             per-step policy (`decode.policy.TreePolicy`, or a callable `rows -> tree or None`), asked every
             step with the rows still decoding: None is a plain step. On a hybrid target (recurrent layers)
             a chain: `decode.tree.chain(depth)` or a DynamicTree with top_k=1; the default is a chain of
@@ -275,7 +276,13 @@ def generate(
                 form = chain(min(HYBRID_CHAIN, limits.max_depth or HYBRID_CHAIN))
             known = (
                 wanted,
-                resolve_tree(form, max_depth=limits.max_depth, dynamic=limits.dynamic, device=model.device),
+                resolve_tree(
+                    form,
+                    max_depth=limits.max_depth,
+                    dynamic=limits.dynamic,
+                    device=model.device,
+                    temperature=temperature,
+                ),
             )
             if request.recurrent:
                 check_chain(known[1], model.config.get_text_config(decoder=True).model_type)

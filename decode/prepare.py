@@ -37,6 +37,7 @@ def prepare(
     int8_draft: bool | None = None,
     onednn: bool | None = None,
     refresh: bool = True,
+    temperature: float = 0.0,
 ) -> nn.Module | None:
     """Apply what the measurements in docs/cpu.md support for decoding `model` with `heads` and `tree`;
     returns the heads to pass to `generate` (the same object, changed in place).
@@ -70,6 +71,8 @@ def prepare(
             build has them; False removes copies an earlier call gave.
         refresh: take every copy again (the default); False keeps the copies that still hold their weights,
             for loops that prepare before each call and write no weights (`benchmarks.benchmark`).
+        temperature: the temperature `generate` will get, which picks the default tree when `tree` is None
+            (`decode.tree.default_tree`).
     Raises:
         ValueError: a target `generate` cannot decode (`decode.inputs.attention_windows`), before any work.
     """
@@ -97,7 +100,7 @@ def prepare(
     if pretranspose:
         for module in [*models, heads] if head_module else models:
             pretranspose_linears(module, force=refresh)
-    pack_for_tree(model, heads, tree, force=refresh)
+    pack_for_tree(model, heads, tree, force=refresh, temperature=temperature)
     if head_module and refresh:
         forget_fused_step(heads)  # its stacked draft weights are taken again at the next draft
     return heads
@@ -152,7 +155,9 @@ def is_int8_draft(heads: nn.Module) -> bool:
     return bool(quantized_layers(heads))
 
 
-def pack_for_tree(target: nn.Module, heads: nn.Module | None, tree, *, force: bool = False) -> None:
+def pack_for_tree(
+    target: nn.Module, heads: nn.Module | None, tree, *, force: bool = False, temperature: float = 0.0
+) -> None:
     """Pack the pretransposed target for the tree's verify row count and, for a dynamic tree, an EAGLE head
     for its `top_k` rows per level (each level of a dynamic tree expands exactly top_k nodes). Modules that
     were not pretransposed are left alone; other trees and heads drop their packed weights, and so do layers
@@ -164,12 +169,19 @@ def pack_for_tree(target: nn.Module, heads: nn.Module | None, tree, *, force: bo
         tree: the tree passed to `generate` (a `DynamicTree`, rank paths, a tree name, `TreeBuffers`
             or None for the heads' default tree).
         force: pack again also the layers whose packed weight looks current.
+        temperature: the temperature `generate` will get (picks the default tree when `tree` is None).
     """
     if heads is None:
         pack_linears(target, None)
         return
     limits = make_drafter(heads, target, 1).limits()
-    tree = resolve_tree(tree, max_depth=limits.max_depth, dynamic=limits.dynamic, device=target.device)
+    tree = resolve_tree(
+        tree,
+        max_depth=limits.max_depth,
+        dynamic=limits.dynamic,
+        device=target.device,
+        temperature=temperature,
+    )
     pack_linears(target, verify_rows(tree), force=force)
     if _is_head(heads):
         pack_linears(heads, head_rows(limits, tree), force=force)

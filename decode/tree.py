@@ -197,21 +197,32 @@ DEFAULT_MEDUSA_TREE = "tree8"
 DEFAULT_EAGLE_TREE = DynamicTree(depth=5, top_k=4, total_tokens=12)  # sized for a 2-core CPU
 GPU_EAGLE_TREE = DynamicTree(depth=6, top_k=10, total_tokens=60)  # EAGLE-2's GPU setting
 GPU_MEDUSA_TREE = "tree16"  # the largest tree in DEFAULT_TREES (the Medusa paper's GPU trees have ~64 nodes)
+# Sampling on a CPU: a chain of this many drafts for every drafter. At temperature 1 a draft survives the
+# target's own draw far less often than greedy matching (shipped EAGLE-3 head: tau 1.9 with (5, 4, 12)
+# against 3.0 greedy), so the nodes of a tree cost more verify work than they return. For EAGLE-3 and P-EAGLE
+# a chain of 2-3 was the fastest tree measured at T=1 and the only one faster than plain decoding on every
+# prompt kind; Medusa-1 and DFlash gained nothing from larger trees either (docs/cpu.md, Default trees when
+# sampling).
+SAMPLING_CHAIN = 3
 
 
 def default_tree(
-    max_depth: int | None, dynamic: bool, device: torch.device | str = "cpu"
+    max_depth: int | None, dynamic: bool, device: torch.device | str = "cpu", temperature: float = 0.0
 ) -> DynamicTree | list[tuple[int, ...]]:
     """The tree `generate` uses when none is given: GPU-sized when the target is on CUDA (`GPU_EAGLE_TREE`,
-    `GPU_MEDUSA_TREE`), CPU-sized elsewhere (`DEFAULT_EAGLE_TREE`, `DEFAULT_MEDUSA_TREE`).
+    `GPU_MEDUSA_TREE`), CPU-sized elsewhere (`DEFAULT_EAGLE_TREE`, `DEFAULT_MEDUSA_TREE`); on a CPU when
+    sampling, a chain of `SAMPLING_CHAIN` drafts (cut to `max_depth`) for every drafter.
 
     Args:
         max_depth: the deepest level the drafter can draft (Medusa: its number of heads); None = no limit.
             A static default tree is cut to it.
         dynamic: the drafter grows EAGLE-2 dynamic trees (EAGLE heads, custom drafters); else a static tree.
         device: the target's device.
+        temperature: the sampling temperature (0: greedy).
     """
     cuda = torch.device(device).type == "cuda"
+    if temperature > 0 and not cuda:
+        return chain(min(SAMPLING_CHAIN, max_depth or SAMPLING_CHAIN))
     if dynamic:
         return GPU_EAGLE_TREE if cuda else DEFAULT_EAGLE_TREE
     paths = DEFAULT_TREES[GPU_MEDUSA_TREE if cuda else DEFAULT_MEDUSA_TREE]
@@ -224,6 +235,7 @@ def resolve_tree(
     max_depth: int | None,
     dynamic: bool,
     device: torch.device | str = "cpu",
+    temperature: float = 0.0,
 ) -> TreeBuffers | DynamicTree:
     """The tree to decode with, from a `tree` argument of `generate` and what the drafter can do.
 
@@ -233,12 +245,13 @@ def resolve_tree(
             (a dynamic tree is cut to it while drafting).
         dynamic: the drafter's default is a dynamic tree (see `default_tree`).
         device: the target's device (picks the default tree).
+        temperature: the sampling temperature (picks the default tree; 0: greedy).
     Raises:
         ValueError: an unknown tree name, an invalid tree, or a static tree deeper than `max_depth`.
         TypeError: `tree` is none of the above.
     """
     if tree is None:
-        tree = default_tree(max_depth, dynamic, device)
+        tree = default_tree(max_depth, dynamic, device, temperature)
     if isinstance(tree, str):
         if tree not in DEFAULT_TREES:
             raise ValueError(f"unknown tree name {tree!r}; known: {sorted(DEFAULT_TREES)}")

