@@ -21,16 +21,9 @@ import random
 from pathlib import Path
 
 from heads.files import write_jsonl
-from train.broad import (
-    FIRST_POOL_CHATS,
-    SECOND_POOL_CHATS,
-    broad_prompts,
-    committed_chats,
-    gutenberg_passages,
-    second_broad_prompts,
-)
+from train.broad import POOL_FILES, build_pools
 from train.domains import domain_prompts, function_key
-from train.heldout import answer_first_turns, country_names, element_names, heldout_prompts
+from train.heldout import answer_first_turns, heldout_prompts
 from train.prompts import (
     CHITCHAT,
     HUMAN_EVAL,
@@ -155,32 +148,9 @@ def write_heldout(out: Path, seed: int) -> None:
 
 def write_broad(out: Path, seed: int, second: bool = False) -> None:
     """prompts_train_broad.jsonl: the third pool (`second`: prompts_train_broad2.jsonl, the fourth), less near
-    duplicates of every evaluation prompt."""
-    import json
-
-    def rows(name: str) -> list[dict]:
-        return [json.loads(line) for line in (out / name).read_text().splitlines()]
-
-    evaluation = [
-        row
-        for name in ("prompts_eval.jsonl", "prompts_eval_domains.jsonl", "prompts_code_eval.jsonl")
-        for row in rows(name)
-    ] + rows("prompts_eval_heldout.jsonl")
-    held_topics = {name.lower() for name in element_names() + country_names()}
-    first = committed_chats(out, FIRST_POOL_CHATS)
-    chats = [c for c in first if not c["source"].startswith(("code_", "math_", "task_"))]
-    if second:
-        name = "prompts_train_broad2.jsonl"
-        later = committed_chats(out, SECOND_POOL_CHATS)
-        pool = second_broad_prompts(chats, later, held_topics, gutenberg_passages(), seed)
-        pool, near = drop_near_duplicates(pool, evaluation)
-        third = {json.dumps(row["messages"]) for row in rows("prompts_train_broad.jsonl")}
-        repeated = [row["id"] for row in pool if json.dumps(row["messages"]) in third]
-        if repeated:  # disjoint by construction (`second_broad_prompts`): a repeat is a bug
-            raise RuntimeError(f"fourth-pool prompts repeating the third pool's: {repeated[:10]}")
-    else:
-        name = "prompts_train_broad.jsonl"
-        pool, near = drop_near_duplicates(broad_prompts(chats, held_topics, seed), evaluation)
+    duplicates of every evaluation prompt (`train.broad.build_pools`)."""
+    name = POOL_FILES[1 if second else 0]
+    pool, near = build_pools(out, seed)[name]
     write_jsonl(out / name, pool)
     counts: dict[str, int] = {}
     for row in pool:

