@@ -174,9 +174,8 @@ def test_sampling_on_a_cpu_defaults_to_a_chain_for_every_drafter():
     CUDA defaults are unchanged."""
     assert SAMPLING_CHAIN == 3
     assert default_tree(None, True, "cpu", temperature=1.0) == chain(3)
-    assert default_tree(6, False, "cpu", temperature=0.7) == chain(
-        3
-    )  # Medusa, P-EAGLE: static drafters alike
+    # Medusa, P-EAGLE: static drafters alike
+    assert default_tree(6, False, "cpu", temperature=0.7) == chain(3)
     assert default_tree(2, False, "cpu", temperature=1.0) == chain(2)  # two heads: two drafts
     assert default_tree(None, True, "cpu", temperature=0.0) == DEFAULT_EAGLE_TREE
     assert default_tree(None, True, "cuda", temperature=1.0) == GPU_EAGLE_TREE
