@@ -370,10 +370,10 @@ def second_broad_prompts(
     rows: list[dict] = []
     counts: dict[str, int] = {}
 
-    def add(kind: str, messages: list[dict], *terms: str, topic: str | None = None) -> None:
+    def add(kind: str, messages: list[dict], *terms: str, topic: str | None = None, **extra) -> None:
         counts[kind] = counts.get(kind, 0) + 1
         row = {"id": f"broad2_{kind}/{counts[kind] - 1}", "source": f"broad_{kind}", "messages": messages}
-        rows.append(row | ({"terms": list(terms), "topic": topic} if terms else {}))
+        rows.append(row | ({"terms": list(terms), "topic": topic} if terms else {}) | extra)
 
     def user(text: str) -> list[dict]:
         return [{"role": "user", "content": text}]
@@ -413,7 +413,8 @@ def second_broad_prompts(
         system = template.format(
             site=site, topic=topic, audience=rng.choice(AUDIENCES), guidelines=guidelines
         )
-        question = (EXPLAIN_ASKS + HOWTO_ASKS)[i % 7].format(term=term, topic=topic)
+        asks = EXPLAIN_ASKS + HOWTO_ASKS
+        question = asks[i % len(asks)].format(term=term, topic=topic)
         add("system", [{"role": "system", "content": system}, *user(question)], term, topic=topic)
     texts = drawn.passages + prose
     for i, passage in enumerate(rng.sample(texts, min(sizes["passage"], len(texts)))):
@@ -428,14 +429,7 @@ def second_broad_prompts(
     ]
     for i, chat in enumerate(rng.sample(finished, min(sizes["followup"], len(finished)))):
         follow = {"role": "user", "content": FOLLOW_UPS_2[i % len(FOLLOW_UPS_2)]}
-        rows.append(
-            {
-                "id": f"broad2_followup/{i}",
-                "source": "broad_followup",
-                "messages": [*chat["messages"], follow],
-                "from": chat["id"],
-            }
-        )
+        add("followup", [*chat["messages"], follow], **{"from": chat["id"]})
     rng.shuffle(rows)
     return rows
 
