@@ -16,6 +16,17 @@ CATEGORIES = ("chat", "instruction", "code")  # in-source: kinds the training po
 HELDOUT_FILE = "prompts_eval_heldout.jsonl"  # held-out-source categories (train/heldout.py builds them)
 HELDOUT_CATEGORIES = ("summary", "open_qa", "creative", "system", "followup")  # train.heldout's
 IN_SOURCE, HELD_OUT = "in-source", "held-out"  # the pooled columns of each kind
+# Each held-out kind's counterpart in the third training pool (train/broad.py): prompts of that kind that the
+# shipped heads were trained on. A head's tau on them, beside its tau on the held-out prompts, splits the gap
+# to the in-source kinds into what the kind of text costs and what not having seen the prompt's source costs.
+SEEN_SOURCES = {
+    "summary": "broad_summary",
+    "open_qa": "broad_explain",
+    "creative": "broad_writing",
+    "system": "broad_system",
+    "followup": "broad_followup",
+}
+SEEN = "seen"  # the pooled column of the seen categories ("seen_<kind>")
 
 
 def load_prompts(
@@ -76,6 +87,32 @@ def prompt_ids(tokenizer, row: dict) -> torch.Tensor:
     return tokenizer.apply_chat_template(
         row["messages"], add_generation_prompt=True, return_dict=True, return_tensors="pt"
     )["input_ids"]
+
+
+def load_seen_prompts(files: list[Path], n: int, seed: int = 0) -> dict[str, list[dict]]:
+    """{"seen_<kind>": n prompt rows} for each held-out kind, drawn (seeded) from the regenerated chats in
+    `files` whose source is the kind's training counterpart (`SEEN_SOURCES`): each chat's messages before its
+    last reply, the reply the head learnt from left out. ValueError naming the source, the files and the count
+    when a source has fewer than n chats."""
+    import random
+
+    by_source: dict[str, list[dict]] = {}
+    for path in files:
+        for line in Path(path).read_text().splitlines():
+            chat = json.loads(line)
+            if chat.get("source") in SEEN_SOURCES.values() and chat["messages"][-1]["role"] == "assistant":
+                by_source.setdefault(chat["source"], []).append(chat)
+    rng, out = random.Random(seed), {}
+    for kind, source in SEEN_SOURCES.items():
+        found = sorted(by_source.get(source, []), key=lambda c: c["id"])
+        if len(found) < n:
+            names = ", ".join(str(f) for f in files) or "no files"
+            raise ValueError(f"{n} {source!r} chats wanted for seen_{kind}, found {len(found)} in {names}")
+        rows = rng.sample(found, n)
+        out[f"seen_{kind}"] = [
+            {"id": c["id"], "source": source, "messages": c["messages"][:-1]} for c in rows
+        ]
+    return out
 
 
 LOOP_RUN = 8  # tokens

@@ -10,8 +10,9 @@ arm in one table.
 
 Prompts per category: chat and instruction from data/smollm2/prompts_eval.jsonl, code from HumanEval
 (prompts_code_eval.jsonl), the benchmark's own (benchmarks.prompts.load_prompts), never trained on; with the
-spec's `heldout: true` also the held-out-source categories, pooled per kind with their ratio. Writes
-ablation.json and ablation.md to the spec's output_dir and prints the table.
+spec's `heldout: true` also the held-out-source categories, pooled per kind with their ratio, and with its
+`seen` globs prompts of those kinds that the training chats hold (benchmarks.prompts.load_seen_prompts).
+Writes ablation.json and ablation.md to the spec's output_dir and prints the table.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import argparse
 import json
 from pathlib import Path
 
-from benchmarks.prompts import load_prompts
+from benchmarks.prompts import load_prompts, load_seen_prompts
 from targets import load_target
 from train.ablation import (
     DUMPED,
@@ -33,7 +34,8 @@ from train.ablation import (
 )
 from train.config import EagleRunConfig, MedusaRunConfig, load_config
 
-DATA = Path(__file__).resolve().parents[1] / "data" / "smollm2"
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "data" / "smollm2"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -99,6 +101,12 @@ def main(argv: list[str] | None = None) -> None:
     base = load_config(classes[spec.recipe], spec.base, spec.overrides)
     model, tokenizer = load_target(base.model.target)
     prompts, _ = load_prompts(DATA, spec.prompts, 0, heldout=spec.heldout)
+    if spec.seen:
+        files = sorted({f for pattern in spec.seen for f in ROOT.glob(pattern)})
+        try:
+            prompts |= load_seen_prompts(files, spec.prompts)
+        except ValueError as error:
+            raise SystemExit(f"{args.spec}: seen {spec.seen}: {error}") from error
     results = []
     for record in records:
         for result in judge_arm(model, tokenizer, spec, record, prompts):

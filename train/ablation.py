@@ -17,6 +17,8 @@ The spec is a YAML file:
     new_tokens: 64
     heldout: true                      # optional: also the held-out-source categories, pooled per kind
     chain: 3                           # optional: also judged with a chain of 3 drafts (what vLLM serves)
+    seen: [data/smollm2/regen_broad/shard-*.jsonl]  # optional, with heldout: also the held-out kinds'
+                                       # prompts in these training chats (benchmarks.prompts.SEEN_SOURCES)
     references:                        # optional: heads trained elsewhere, judged beside the arms
       shipped: pretrained/smollm2-135m-instruct/eagle3   # (relative to the repository root)
     arms:                              # name -> its own overrides; the first is the reference
@@ -62,6 +64,8 @@ class AblationSpec:
     # also judge with a chain of this many top-1 drafts (vLLM's num_speculative_tokens)
     chain: int | None = None
     references: dict[str, Path] = field(default_factory=dict)  # name -> a head folder judged, not trained
+    # globs of training chats (relative to the repository): also judge on held-out kinds' prompts trained on
+    seen: list[str] = field(default_factory=list)
 
     @property
     def states_dir(self) -> Path | None:
@@ -116,6 +120,11 @@ def load_spec(path: str | Path) -> AblationSpec:
         )
     if not isinstance(raw.get("heldout", False), bool):
         raise TypeError(f"{path}: heldout must be true or false, found {raw['heldout']!r}")
+    seen = raw.get("seen") or []
+    if not isinstance(seen, list) or not all(isinstance(g, str) for g in seen):
+        raise ValueError(f"{path}: seen must list globs of training chats, found {seen!r}")
+    if seen and not raw.get("heldout", False):
+        raise ValueError(f"{path}: seen needs heldout: true (it is judged beside the held-out kinds)")
     for key in ("prompts", "new_tokens", "chain"):
         if key == "chain" and raw.get(key) is None:
             continue
@@ -133,6 +142,7 @@ def load_spec(path: str | Path) -> AblationSpec:
         heldout=raw.get("heldout", False),
         chain=raw.get("chain"),
         references={str(k): ROOT / Path(v).expanduser() for k, v in references.items()},
+        seen=list(seen),
     )
 
 
@@ -258,30 +268,49 @@ def _pooled_tau(
     }
 
 
+def _pool(parts: list[dict]) -> dict:
+    """One record pooling `_pooled_tau` records: emitted tokens over verify steps of every prompt."""
+    emitted, steps = sum(p["emitted"] for p in parts), sum(p["steps"] for p in parts)
+    every = [t for p in parts for t in p["taus"]]
+    return {
+        "tau": emitted / steps if steps else 1.0,
+        "tau_median": statistics.median(every) if every else 1.0,
+        "prompts": len(every),
+        "emitted": emitted,
+        "steps": steps,
+        "taus": every,
+    }
+
+
+def _ratio(out: dict, over: str, under: str) -> None:
+    ratio = out[over]["tau"] / out[under]["tau"] if out[under]["steps"] else float("nan")
+    out[f"{over} / {under}"] = {"tau": ratio, "tau_median": ratio, "prompts": 0}
+
+
 def pooled_kinds(taus: dict[str, dict]) -> dict[str, dict]:
     """`taus` ({category: `_pooled_tau` record}) with, when it holds held-out-source categories, the pooled
     "in-source" and "held-out" records and their ratio ("held-out / in-source": what generalisation is judged
-    by)."""
-    from benchmarks.prompts import CATEGORIES, HELDOUT_CATEGORIES  # lazy, as in `_pooled_tau`
+    by); when it holds seen categories (`benchmarks.prompts.load_seen_prompts`), their pooled "seen" record
+    and "held-out / seen": the held-out kinds' tau over their tau on prompts trained on, which leaves out what
+    the kind of text costs."""
+    from benchmarks.prompts import (
+        CATEGORIES,
+        HELDOUT_CATEGORIES,
+        SEEN,
+        SEEN_SOURCES,
+    )  # lazy, as in `_pooled_tau`
 
     out = dict(taus)
-    kinds = {"in-source": CATEGORIES, "held-out": HELDOUT_CATEGORIES}
     if not any(c in taus for c in HELDOUT_CATEGORIES):
         return out
+    kinds = {"in-source": CATEGORIES, "held-out": HELDOUT_CATEGORIES}
+    kinds[SEEN] = tuple(f"{SEEN}_{k}" for k in SEEN_SOURCES)
     for kind, names in kinds.items():
-        parts = [taus[c] for c in names if c in taus]
-        emitted, steps = sum(p["emitted"] for p in parts), sum(p["steps"] for p in parts)
-        every = [t for p in parts for t in p["taus"]]
-        out[kind] = {
-            "tau": emitted / steps if steps else 1.0,
-            "tau_median": statistics.median(every) if every else 1.0,
-            "prompts": len(every),
-            "emitted": emitted,
-            "steps": steps,
-            "taus": every,
-        }
-    ratio = out["held-out"]["tau"] / out["in-source"]["tau"] if out["in-source"]["steps"] else float("nan")
-    out["held-out / in-source"] = {"tau": ratio, "tau_median": ratio, "prompts": 0}
+        if kind != SEEN or any(c in taus for c in names):
+            out[kind] = _pool([taus[c] for c in names if c in taus])
+    _ratio(out, "held-out", "in-source")
+    if SEEN in out:
+        _ratio(out, "held-out", SEEN)
     return out
 
 

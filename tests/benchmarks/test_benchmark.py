@@ -16,7 +16,7 @@ from benchmarks.benchmark import (
     result_rows,
     rotated,
 )
-from benchmarks.prompts import at_lengths, load_prompts, loops, pooled_labels
+from benchmarks.prompts import SEEN_SOURCES, at_lengths, load_prompts, load_seen_prompts, loops, pooled_labels
 from benchmarks.report import columns, plots, render
 from decode import DEFAULT_EAGLE_TREE, DEFAULT_TREES, DynamicTree
 from heads import EagleConfig, EagleHead, MedusaConfig, MedusaHeads, save_heads
@@ -135,6 +135,34 @@ def test_load_prompts_splits_categories_and_keeps_calibration_apart(tmp_path):
         load_prompts(tmp_path, 2, 0, skip=2)
     with pytest.raises(SystemExit, match="--skip-prompts 2 \\+ --prompts 2 \\+ --calibration-prompts 2"):
         load_prompts(tmp_path, 2, 2, skip=2)
+
+
+def test_seen_prompts_are_the_training_chats_of_each_held_out_kind_without_their_reply(tmp_path):
+    """Drawn per kind from its training counterpart, seeded, the reply the head learnt from left out; a
+    source with too few chats is named with the files read."""
+
+    def chat(source: str, i: int) -> dict:
+        turns = [{"role": "user", "content": f"{source} {i}"}, {"role": "assistant", "content": "reply"}]
+        return {"id": f"{source}/{i}", "source": source, "messages": turns}
+
+    chats = [chat(source, i) for source in SEEN_SOURCES.values() for i in range(4)]
+    chats += [chat("regen_chat", i) for i in range(4)]  # not a held-out kind's counterpart: never drawn
+    chats += [{**chat("broad_summary", 9), "messages": chat("broad_summary", 9)["messages"][:1]}]  # no reply
+    files = [tmp_path / "shard-00000.jsonl", tmp_path / "shard-00001.jsonl"]
+    files[0].write_text("".join(json.dumps(c) + "\n" for c in chats[::2]))
+    files[1].write_text("".join(json.dumps(c) + "\n" for c in chats[1::2]))
+    seen = load_seen_prompts(files, 3)
+    assert list(seen) == [f"seen_{kind}" for kind in SEEN_SOURCES]
+    for kind, source in SEEN_SOURCES.items():
+        rows = seen[f"seen_{kind}"]
+        assert len({r["id"] for r in rows}) == 3 and all(r["source"] == source for r in rows)
+        assert all(r["messages"] == [{"role": "user", "content": r["id"].replace("/", " ")}] for r in rows)
+    assert load_seen_prompts(files[::-1], 3) == seen  # the same draw whatever order the files come in
+    assert load_seen_prompts(files, 3, seed=1) != seen
+    with pytest.raises(
+        ValueError, match="5 'broad_summary' chats wanted for seen_summary, found 4 in .*shard"
+    ):
+        load_seen_prompts(files, 5)
 
 
 def summary(tau: float, speedup: float, identical: int) -> dict:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from benchmarks.prompts import load_seen_prompts
 from targets import load_target
 from train.ablation import (
     DONE,
@@ -58,6 +59,8 @@ def _spec_file(tmp_path, **fields) -> Path:
         ({"chain": True}, "chain must be a positive integer, found True"),
         ({"references": {"a": "pretrained/x"}}, r"reference\(s\) \['a'\] named like arms"),
         ({"references": ["pretrained/x"]}, "references must map names to head folders"),
+        ({"heldout": True, "seen": "data/x/*.jsonl"}, "seen must list globs of training chats"),
+        ({"seen": ["data/x/*.jsonl"]}, "seen needs heldout: true"),
     ],
 )
 def test_spec_errors_name_the_file_and_the_key(tmp_path, fields, message):
@@ -92,11 +95,17 @@ def test_pooled_kinds_pool_each_kind_over_its_prompts_and_give_their_ratio():
     assert pooled["in-source"]["tau"] == 2.0 and pooled["in-source"]["taus"] == [3.0, 3.0, 1.0]
     assert pooled["held-out"]["tau"] == 2.0 and pooled["held-out / in-source"]["tau"] == 1.0
     assert pooled_kinds({"chat": taus["chat"]}) == {"chat": taus["chat"]}  # no held-out category: as it was
+    assert "seen" not in pooled and "held-out / seen" not in pooled
+    seen = pooled_kinds(taus | {"seen_summary": record(30, 10, [3.0]), "seen_system": record(10, 10, [1.0])})
+    assert seen["seen"]["tau"] == 2.0 and seen["seen"]["taus"] == [3.0, 1.0]
+    assert seen["held-out / seen"]["tau"] == 1.0 and seen["held-out"] == pooled["held-out"]
 
 
 def test_the_committed_generalisation_spec_judges_held_out_sources():
     spec = load_spec(ROOT / "configs" / "ablation" / "generalise.yaml")
     assert spec.heldout and spec.chain == 3 and next(iter(spec.arms)) == "baseline"
+    files = sorted(f for pattern in spec.seen for f in ROOT.glob(pattern))
+    assert {len(rows) for rows in load_seen_prompts(files, spec.prompts).values()} == {spec.prompts}
     assert (spec.references["shipped"] / "config.json").is_file()  # the shipped head: training length
     for name in spec.arms:
         cfg = load_config(EagleRunConfig, ROOT / spec.base, arm_command(spec, name)[3:])
