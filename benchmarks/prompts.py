@@ -7,6 +7,7 @@ columns of several reply lengths; and the loop test the tables report beside the
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import torch
@@ -94,8 +95,6 @@ def load_seen_prompts(files: list[Path], n: int, seed: int = 0) -> dict[str, lis
     `files` whose source is the kind's training counterpart (`SEEN_SOURCES`): each chat's messages before its
     last reply, the reply the head learnt from left out. ValueError naming the source, the files and the count
     when a source has fewer than n chats."""
-    import random
-
     by_source: dict[str, list[dict]] = {}
     for path in files:
         for line in Path(path).read_text().splitlines():

@@ -293,12 +293,8 @@ def pooled_kinds(taus: dict[str, dict]) -> dict[str, dict]:
     by); when it holds seen categories (`benchmarks.prompts.load_seen_prompts`), their pooled "seen" record
     and "held-out / seen": the held-out kinds' tau over their tau on prompts trained on, which leaves out what
     the kind of text costs."""
-    from benchmarks.prompts import (
-        CATEGORIES,
-        HELDOUT_CATEGORIES,
-        SEEN,
-        SEEN_SOURCES,
-    )  # lazy, as in `_pooled_tau`
+    # lazy, as in `_pooled_tau`
+    from benchmarks.prompts import CATEGORIES, HELDOUT_CATEGORIES, SEEN, SEEN_SOURCES
 
     out = dict(taus)
     if not any(c in taus for c in HELDOUT_CATEGORIES):
