@@ -17,7 +17,8 @@
 # own configs; `bash scripts/reproduce_smollm2.sh shipped` runs only this part: EAGLE-3 stage 1 over 6,599
 # chats (its dump 25-38 min, two epochs 49-67 min), stage 2 over all 8,135 from stage 1's head (its dump 29-44
 # min, two epochs under bf16 autocast 40-57 min), stage 3 from stage 2's head over the broad pool beside the
-# first chat pool and the domains (one epoch online, 26 min), Medusa-1 2,000 steps online over the 6,599 (37-63 min), the
+# first chat pool and the domains (one epoch online, 26 min), stage 4 from stage 3's over those and the fourth
+# pool (one epoch online, 39 min), Medusa-1 2,000 steps online over the 6,599 (37-63 min), the
 # benchmark of both (19-33 min), their cards, then DFlash (one epoch online, 45 min; its benchmark 35 min),
 # then P-EAGLE from the shipped EAGLE-3 head (one epoch online): about 6 h end to end on 2 AMD EPYC cores (2026-12-04, in a
 # fresh clone; docs/benchmark.md has what it rebuilt). After a kill rerun the same command: the dumps keep
@@ -29,7 +30,7 @@ shipped() {
     export OMP_NUM_THREADS=2
     local stage1=configs/eagle3_smollm2_ship_stage1.yaml
     local -A trained=(  # the commands that go on the cards
-        [eagle3]="OMP_NUM_THREADS=2 python train/eagle.py $stage1, then OMP_NUM_THREADS=2 python train/eagle.py configs/eagle3_smollm2_ship_stage2.yaml, then OMP_NUM_THREADS=2 python train/eagle.py configs/eagle3_smollm2_ship.yaml"
+        [eagle3]="OMP_NUM_THREADS=2 python train/eagle.py $stage1, then OMP_NUM_THREADS=2 python train/eagle.py configs/eagle3_smollm2_ship_stage2.yaml, then OMP_NUM_THREADS=2 python train/eagle.py configs/eagle3_smollm2_ship_stage3.yaml, then OMP_NUM_THREADS=2 python train/eagle.py configs/eagle3_smollm2_ship.yaml"
         [medusa1]="OMP_NUM_THREADS=2 python train/medusa.py configs/medusa1_smollm2_ship.yaml"
         [dflash]="python train/eagle.py configs/dflash_smollm2_ship.yaml"
         [peagle]="OMP_NUM_THREADS=1 python train/eagle.py configs/peagle_smollm2_ship.yaml"
@@ -39,7 +40,8 @@ shipped() {
     python train/eagle.py "$stage1" > runs/eagle3_smollm2_ship_stage1.log 2>&1
     python scripts/dump_hidden_states.py configs/eagle3_smollm2_ship_stage2.yaml  # stage 2: all 8,135, two more
     python train/eagle.py configs/eagle3_smollm2_ship_stage2.yaml > runs/eagle3_smollm2_ship_stage2.log 2>&1
-    python train/eagle.py configs/eagle3_smollm2_ship.yaml > runs/eagle3_smollm2_ship.log 2>&1  # stage 3
+    python train/eagle.py configs/eagle3_smollm2_ship_stage3.yaml > runs/eagle3_smollm2_ship_stage3.log 2>&1
+    python train/eagle.py configs/eagle3_smollm2_ship.yaml > runs/eagle3_smollm2_ship.log 2>&1  # stage 4
     python train/medusa.py configs/medusa1_smollm2_ship.yaml > runs/medusa1_smollm2_ship.log 2>&1
     python train/eagle.py configs/dflash_smollm2_ship.yaml > runs/dflash_smollm2_ship.log 2>&1  # 45 min, online
     local bench=results/bench_smollm2_pretrained
