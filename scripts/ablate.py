@@ -102,9 +102,8 @@ def main(argv: list[str] | None = None) -> None:
     model, tokenizer = load_target(base.model.target)
     prompts, _ = load_prompts(DATA, spec.prompts, 0, heldout=spec.heldout)
     if spec.seen:
-        files = sorted({f for pattern in spec.seen for f in ROOT.glob(pattern)})
         try:
-            prompts |= load_seen_prompts(files, spec.prompts)
+            prompts |= load_seen_prompts(spec.seen_files, spec.prompts)
         except ValueError as error:
             raise SystemExit(f"{args.spec}: seen {spec.seen}: {error}") from error
     results = []

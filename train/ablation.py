@@ -73,6 +73,18 @@ class AblationSpec:
         return self.output_dir / "states" if self.hidden_states == "offline" else None
 
     @property
+    def seen_files(self) -> list[Path]:
+        """The training chats `seen` globs (under the repository), sorted, each once; ValueError naming a glob
+        that matches no file."""
+        files = set()
+        for pattern in self.seen:
+            matched = set(ROOT.glob(pattern))
+            if not matched:
+                raise ValueError(f"seen glob {pattern!r} matches no file under {ROOT}")
+            files |= matched
+        return sorted(files)
+
+    @property
     def common_overrides(self) -> list[str]:
         """The overrides every arm gets: the spec's, plus reading the dumped states when offline."""
         if self.states_dir is None:

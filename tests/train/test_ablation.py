@@ -77,6 +77,17 @@ def test_spec_heldout_must_be_a_boolean(tmp_path):
     assert load_spec(_spec_file(tmp_path, heldout=True)).heldout
 
 
+def test_spec_seen_files_expand_each_glob_once_and_name_one_that_matches_nothing(tmp_path):
+    broad = "data/smollm2/regen_broad/shard-*.jsonl"
+    spec = load_spec(
+        _spec_file(tmp_path, heldout=True, seen=[broad, "data/smollm2/regen_broad/shard-00000.jsonl"])
+    )
+    assert spec.seen_files == sorted(ROOT.glob(broad)) and len(spec.seen_files) > 1
+    empty = load_spec(_spec_file(tmp_path, heldout=True, seen=[broad, "data/nowhere/*.jsonl"]))
+    with pytest.raises(ValueError, match=r"seen glob 'data/nowhere/\*.jsonl' matches no file"):
+        _ = empty.seen_files
+
+
 def test_pooled_kinds_pool_each_kind_over_its_prompts_and_give_their_ratio():
     """Pooled as the benchmark pools: emitted tokens over verify steps of every prompt of the kind."""
 
@@ -104,8 +115,7 @@ def test_pooled_kinds_pool_each_kind_over_its_prompts_and_give_their_ratio():
 def test_the_committed_generalisation_spec_judges_held_out_sources():
     spec = load_spec(ROOT / "configs" / "ablation" / "generalise.yaml")
     assert spec.heldout and spec.chain == 3 and next(iter(spec.arms)) == "baseline"
-    files = sorted(f for pattern in spec.seen for f in ROOT.glob(pattern))
-    assert {len(rows) for rows in load_seen_prompts(files, spec.prompts).values()} == {spec.prompts}
+    assert {len(rows) for rows in load_seen_prompts(spec.seen_files, spec.prompts).values()} == {spec.prompts}
     assert (spec.references["shipped"] / "config.json").is_file()  # the shipped head: training length
     for name in spec.arms:
         cfg = load_config(EagleRunConfig, ROOT / spec.base, arm_command(spec, name)[3:])
