@@ -8,7 +8,7 @@ The layer's submodules are transformers' public Llama modules; only the wiring l
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import ClassVar
 
 import torch
@@ -384,3 +384,41 @@ class EagleHead(nn.Module):
             self.lm_head.weight.copy_(
                 target_lm_weight[self.to_target_ids(torch.arange(self.config.draft_vocab_size))]
             )
+
+
+@torch.no_grad()
+def with_draft_vocab(head: EagleHead, target_ids: Tensor, target_lm_weight: Tensor) -> EagleHead:
+    """A copy of the EAGLE-3 (or P-EAGLE) `head` drafting over `target_ids` instead: Vd' distinct target ids,
+    any number. Every other weight carries over. A token the head already drafts keeps its trained lm_head
+    row; a new one starts as the target's lm_head row, as a new head's rows do (`init_lm_head_from_target`).
+
+    Args:
+        head: an eagle3 or peagle head.
+        target_ids: (Vd',) the new draft vocabulary, e.g. `train.data.draft_vocab_from_frequencies`.
+        target_lm_weight: (V, H) the target's output embedding.
+    """
+    if head.shares_target_lm_head:
+        raise ValueError(
+            f"this {head.head_type} head drafts over the target's vocabulary: it has none to redraw"
+        )
+    target_ids = torch.as_tensor(target_ids, dtype=torch.long).flatten().to(head.d2t.device)
+    vocab = head.config.vocab_size
+    expected = (vocab, head.config.hidden_size)
+    if tuple(target_lm_weight.shape) != expected:
+        raise ValueError(f"target lm_head weight {tuple(target_lm_weight.shape)}, expected {expected}")
+    new = type(head)(replace(head.config, draft_vocab_size=target_ids.numel()))
+    new = new.to(dtype=head.lm_head.weight.dtype, device=head.lm_head.weight.device)
+    state = {k: v for k, v in head.state_dict().items() if k not in ("lm_head.weight", "d2t", "t2d")}
+    missing, unexpected = new.load_state_dict(state, strict=False)
+    if set(missing) != {"lm_head.weight", "d2t", "t2d"} or unexpected:
+        raise ValueError(f"redrawn vocabulary: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
+    new.set_draft_vocab(target_ids)  # validates: distinct ids in [0, V)
+    old_ids = head.to_target_ids(torch.arange(head.config.draft_vocab_size, device=target_ids.device))
+    new_ids = new.to_target_ids(torch.arange(new.config.draft_vocab_size, device=target_ids.device))
+    row_of = torch.full((vocab,), -1, dtype=torch.long, device=target_ids.device)
+    row_of[old_ids] = torch.arange(old_ids.numel(), device=target_ids.device)
+    rows = row_of[new_ids]
+    weight = target_lm_weight[new_ids].to(new.lm_head.weight).clone()
+    weight[rows >= 0] = head.lm_head.weight[rows[rows >= 0]]
+    new.lm_head.weight.copy_(weight)
+    return new.train(head.training)

@@ -270,7 +270,7 @@ def _pooled_tau(
     )
     emitted = sum(len(r.reply) - 1 for r in results)
     steps = sum(r.steps for r in results)
-    return {
+    record = {
         "tau": emitted / steps if steps else 1.0,
         "tau_median": statistics.median(r.tau for r in results),
         "prompts": len(rows),
@@ -278,13 +278,19 @@ def _pooled_tau(
         "steps": steps,
         "taus": [r.tau for r in results],
     }
+    t2d = getattr(head, "t2d", None)  # a draft vocabulary of its own: how many reply tokens lie outside it
+    if t2d is not None and head.config.draft_vocab_size < head.config.vocab_size:
+        replies = [torch.as_tensor(r.reply, device=t2d.device) for r in results]
+        record["tokens"] = sum(int(reply.numel()) for reply in replies)
+        record["outside"] = sum(int((~t2d[reply]).sum()) for reply in replies)
+    return record
 
 
 def _pool(parts: list[dict]) -> dict:
     """One record pooling `_pooled_tau` records: emitted tokens over verify steps of every prompt."""
     emitted, steps = sum(p["emitted"] for p in parts), sum(p["steps"] for p in parts)
     every = [t for p in parts for t in p["taus"]]
-    return {
+    pooled = {
         "tau": emitted / steps if steps else 1.0,
         "tau_median": statistics.median(every) if every else 1.0,
         "prompts": len(every),
@@ -292,6 +298,9 @@ def _pool(parts: list[dict]) -> dict:
         "steps": steps,
         "taus": every,
     }
+    if parts and all("outside" in p for p in parts):
+        pooled |= {key: sum(p[key] for p in parts) for key in ("tokens", "outside")}
+    return pooled
 
 
 def _ratio(out: dict, over: str, under: str) -> None:
@@ -421,6 +430,11 @@ def render(spec: AblationSpec, results: list[dict], dump_seconds: float | None =
     )
     head = ["arm", "overrides", "train s", "head", "sim tau", "draft ms", *(f"{c} tau" for c in categories)]
     head += [f"chain-{spec.chain} {c} tau" for c in chained]
+    # the share of reply tokens outside a head's draft vocabulary (never drafted), per kind of source
+    outside = [
+        c for c in ("in-source", "held-out", "seen") if any("outside" in r["tau"].get(c, {}) for r in results)
+    ]
+    head += [f"{c} outside vocab" for c in outside]
     title = (
         f"Ablation of `{spec.base}` ({spec.recipe}), common overrides: `{' '.join(spec.overrides) or '-'}`; "
         f"greedy `decode.generate`, default tree, {spec.prompts} held-out prompts per category, "
@@ -433,6 +447,11 @@ def render(spec: AblationSpec, results: list[dict], dump_seconds: float | None =
         title += (
             f" chain-{spec.chain}: tau with a chain of {spec.chain} top-1 drafts (what vLLM serves with "
             f"num_speculative_tokens={spec.chain}), the same prompts."
+        )
+    if outside:
+        title += (
+            " outside vocab: the share of the replies' tokens that lie outside the head's draft vocabulary "
+            "(it can never draft them)."
         )
     if spec.states_dir is not None:
         took = "" if dump_seconds is None else f" ({dump_seconds:.0f} s, once)"
@@ -449,6 +468,7 @@ def render(spec: AblationSpec, results: list[dict], dump_seconds: float | None =
     for r in results:
         taus = [f"{r['tau'][c]['tau']:.2f} ({r['tau'][c]['tau_median']:.2f})" for c in categories]
         taus += [f"{r['chain_tau'][c]['tau']:.2f} ({r['chain_tau'][c]['tau_median']:.2f})" for c in chained]
+        taus += [_share(r["tau"].get(c, {})) for c in outside]
         overrides = " ".join(f"`{o}`" for o in r["overrides"]) or "(reference)"
         if (
             "head_dir" in r
@@ -463,6 +483,10 @@ def render(spec: AblationSpec, results: list[dict], dump_seconds: float | None =
             f"| {r['arm']} | {overrides} | {seconds} | {judged} | {sim} | {cost} | " + " | ".join(taus) + " |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _share(record: dict) -> str:
+    return f"{100 * record['outside'] / record['tokens']:.1f}%" if record.get("tokens") else "-"
 
 
 def write_results(

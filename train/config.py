@@ -192,6 +192,9 @@ class EagleTrainConfig:
     init_from: str | None = None  # exported head folder to start from (more epochs, new data); its sizes,
     # taps and draft vocabulary win over aux_layer_ids / draft_vocab_size; peagle may start from an eagle3
     # head (its layer, taps and vocabulary; new placeholder inputs: heads.peagle.PEagleHead.from_eagle3)
+    redraw_vocab: bool = False  # with init_from (eagle3 / peagle): draw the draft vocabulary anew from this
+    # run's training data, draft_vocab_size tokens (0: as many as the head has); rows of tokens the head
+    # drafted carry over, new ones start as the target's lm_head rows (heads.eagle.with_draft_vocab)
 
     def __post_init__(self) -> None:
         _one_of("head_type", self.head_type, RECIPE_HEAD_TYPES)
@@ -219,6 +222,10 @@ class EagleTrainConfig:
             self.distill_loss == "soft_ce" or self.head_type != "eagle1",
             f"distill_loss {self.distill_loss!r} is for eagle3 and dflash (eagle1 drafts over the full "
             "vocabulary)",
+        )
+        _require(
+            not self.redraw_vocab or (self.init_from and self.head_type in ("eagle3", "peagle")),
+            "redraw_vocab redraws the vocabulary of the eagle3 / peagle head in eagle.init_from: set both",
         )
         if self.head_type == "eagle1":  # eagle1 reads the final state and reuses the target's lm_head
             _require(self.aux_layer_ids is None, "aux_layer_ids must be null for eagle1 (eagle3 only)")

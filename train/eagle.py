@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from heads import EagleConfig, EagleHead, FeatureCapture
 from heads.dflash import DFlashConfig, DFlashHead
+from heads.eagle import with_draft_vocab
 from heads.io import load_heads
 from heads.peagle import PEagleConfig, PEagleHead
 from train.block_losses import dflash_loss, peagle_loss
@@ -146,8 +147,16 @@ def new_head(cfg: EagleTrainConfig, target: nn.Module, train_set) -> EagleHead |
     target). Float32 whatever the target's dtype: AdamW on bf16 weights would lose small late updates."""
     if cfg.init_from:
         head = load_heads(cfg.init_from, target, dtype=torch.float32, device=target.device)
-        if cfg.head_type == "peagle" and head.head_type == "eagle3":  # P-EAGLE from a trained EAGLE-3 head
+        redraw = cfg.redraw_vocab and head.head_type in ("eagle3", "peagle")
+        to_peagle = cfg.head_type == "peagle" and head.head_type == "eagle3"
+        if redraw or to_peagle:
             counts = token_frequencies(train_set, target.config.get_text_config().vocab_size)
+        if redraw:
+            size = cfg.draft_vocab_size or head.config.draft_vocab_size
+            head = with_draft_vocab(
+                head, draft_vocab_from_frequencies(counts, size), target.get_output_embeddings().weight
+            )
+        if to_peagle:  # P-EAGLE from a trained EAGLE-3 head
             head = PEagleHead.from_eagle3(
                 head, cfg.parallel_depths, mask_token(cfg, counts), target.get_input_embeddings().weight
             )

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from decode.drafters.eagle import EagleDrafter
-from heads.eagle import EagleConfig, EagleHead
+from heads.eagle import EagleConfig, EagleHead, with_draft_vocab
+from heads.peagle import PEagleConfig, PEagleHead
 
 H, V, VD = 32, 128, 64
 EAGLE3_KEYS = {  # docs/design.md, Export formats: SGLang / official form
@@ -113,6 +114,58 @@ def test_bad_draft_vocab_raises(llama, ids, message):
     assert torch.equal(head.d2t, d2t)
     with pytest.raises(ValueError, match="only eagle3"):
         _head(llama.config, "eagle1").set_draft_vocab(torch.arange(VD))
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "peagle"])
+@pytest.mark.parametrize("size", [VD // 2, VD, 2 * VD])
+def test_with_draft_vocab_keeps_trained_rows_and_starts_new_ones_from_the_target(llama, kind, size):
+    if kind == "eagle3":
+        head = _head(llama.config, "eagle3")
+    else:
+        torch.manual_seed(0)
+        head = PEagleHead(PEagleConfig.from_target(llama.config, draft_vocab_size=VD, mask_token_id=3)).eval()
+        head.set_draft_vocab(torch.randperm(V, generator=torch.Generator().manual_seed(0))[:VD])
+    with torch.no_grad():
+        head.lm_head.weight.normal_()  # trained rows: unlike the target's
+    old_ids = head.to_target_ids(torch.arange(VD))
+    ids = torch.randperm(V, generator=torch.Generator().manual_seed(5))[:size]
+    new = with_draft_vocab(head, ids, llama.lm_head.weight)
+    assert type(new) is type(head) and new.config.draft_vocab_size == size and not new.training
+    assert torch.equal(new.to_target_ids(torch.arange(size)), ids.sort().values)
+    assert torch.equal(torch.nonzero(new.t2d).flatten(), ids.sort().values)
+    kept = 0
+    for row, token in enumerate(new.to_target_ids(torch.arange(size)).tolist()):
+        if token in old_ids.tolist():  # drafted before: its trained row
+            expected, kept = head.lm_head.weight[old_ids.tolist().index(token)], kept + 1
+        else:  # new: the target's row
+            expected = llama.lm_head.weight[token]
+        assert torch.equal(new.lm_head.weight[row], expected), token
+    assert 0 < kept < size  # the draw overlaps the old vocabulary in part: both branches ran
+    old_state, new_state = head.state_dict(), new.state_dict()
+    assert set(old_state) == set(new_state)
+    for key in set(old_state) - {"lm_head.weight", "d2t", "t2d"}:
+        assert torch.equal(old_state[key], new_state[key]), key
+    # the same hidden state scores each kept token as before
+    features = head.project_features(torch.randn(1, 4, 3 * H))
+    hidden = head(features, torch.randn(1, 4, H), torch.arange(4)[None])
+    old_logits, new_logits = head.logits(hidden, llama.lm_head), new.logits(hidden, llama.lm_head)
+    assert new_logits.shape == (1, 4, size)
+    new_ids = new.to_target_ids(torch.arange(size)).tolist()
+    both = [t for t in new_ids if t in old_ids.tolist()]
+    assert torch.equal(
+        new_logits[..., [new_ids.index(t) for t in both]],
+        old_logits[..., [old_ids.tolist().index(t) for t in both]],
+    )
+
+
+def test_with_draft_vocab_refuses_what_it_cannot_redraw(llama):
+    head = _head(llama.config, "eagle3")
+    with pytest.raises(ValueError, match="this eagle1 head drafts over the target's vocabulary"):
+        with_draft_vocab(_head(llama.config, "eagle1"), torch.arange(VD), llama.lm_head.weight)
+    with pytest.raises(ValueError, match=r"target lm_head weight \(128, 16\), expected \(128, 32\)"):
+        with_draft_vocab(head, torch.arange(VD), llama.lm_head.weight[:, :16])
+    with pytest.raises(ValueError, match="draft ids 0 and 1 to target id 4"):
+        with_draft_vocab(head, torch.tensor([4, 4, 5]), llama.lm_head.weight)
 
 
 def test_config_validation():

@@ -11,12 +11,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-from benchmarks.prompts import load_seen_prompts
+from benchmarks.prompts import load_seen_prompts, prompt_ids
+from decode import generate
+from heads import load_heads, save_heads
+from heads.eagle import with_draft_vocab
 from targets import load_target
 from train.ablation import (
     DONE,
     DUMPED,
     SPENT,
+    AblationSpec,
     arm_command,
     dump_command,
     dump_states,
@@ -110,6 +114,18 @@ def test_pooled_kinds_pool_each_kind_over_its_prompts_and_give_their_ratio():
     seen = pooled_kinds(taus | {"seen_summary": record(30, 10, [3.0]), "seen_system": record(10, 10, [1.0])})
     assert seen["seen"]["tau"] == 2.0 and seen["seen"]["taus"] == [3.0, 1.0]
     assert seen["held-out / seen"]["tau"] == 1.0 and seen["held-out"] == pooled["held-out"]
+    counted = {c: r | {"tokens": 40, "outside": i} for i, (c, r) in enumerate(taus.items())}
+    pooled = pooled_kinds(counted)
+    assert (pooled["in-source"]["tokens"], pooled["in-source"]["outside"]) == (80, 1)  # chat 0, code 1
+    assert (pooled["held-out"]["tokens"], pooled["held-out"]["outside"]) == (40, 2)
+    assert (
+        "outside" not in pooled_kinds(counted | {"code": taus["code"]})["in-source"]
+    )  # unless every part has it
+    spec = AblationSpec(recipe="eagle", base=Path("b.yaml"), output_dir=Path("out"), arms={"a": []})
+    row = {"arm": "a", "overrides": [], "seconds": 1.0, "tau": pooled}
+    text = render(spec, [row])
+    assert "| in-source outside vocab | held-out outside vocab |" in text and "| 1.2% | 5.0% |" in text
+    assert "outside vocab" not in render(spec, [row | {"tau": pooled_kinds(taus)}])
 
 
 def test_the_committed_generalisation_spec_judges_held_out_sources():
@@ -122,6 +138,21 @@ def test_the_committed_generalisation_spec_judges_held_out_sources():
         assert cfg.train.max_steps == 600
     broad = load_config(EagleRunConfig, ROOT / spec.base, arm_command(spec, "broad_long")[3:])
     assert any("regen_broad" in f for f in broad.data.train_files) and broad.data.max_length == 1024
+
+
+def test_the_committed_vocabulary_spec_differs_between_arms_in_the_vocabulary_alone():
+    spec = load_spec(ROOT / "configs" / "ablation" / "vocab.yaml")
+    assert spec.heldout and spec.chain == 3 and spec.seen_files
+    configs = {n: load_config(EagleRunConfig, ROOT / spec.base, arm_command(spec, n)[3:]) for n in spec.arms}
+    start = ROOT / configs["more"].eagle.init_from
+    assert start == spec.references["stage4"] and (start / "config.json").is_file()
+    assert {(c.eagle.redraw_vocab, c.eagle.draft_vocab_size) for c in configs.values()} == {
+        (False, 8192),
+        (True, 8192),
+        (True, 16384),
+    }
+    for cfg in configs.values():
+        assert cfg.train.max_steps == 600 and cfg.data.train_files == configs["more"].data.train_files
 
 
 def test_spec_file_must_hold_every_required_key_and_a_mapping(tmp_path):
@@ -157,6 +188,7 @@ def test_two_arms_train_resume_evaluate_and_tabulate(tmp_path, tiny_target_dir, 
         "train.eval_tau_prompts=1",
         "train.eval_tau_new_tokens=4",
         "train.eval_every_steps=0",  # at the end only
+        "eagle.draft_vocab_size=256",  # a draft vocabulary of its own: the judge counts tokens outside it
     ]
     best = ["train.keep_best_tau=true", "train.eval_every_steps=1"]
     arms = {"reference": best, "ttt1": ["eagle.ttt_steps=1"], "broken": ["eagle.ttt_steps=0"]}
@@ -218,6 +250,26 @@ def test_two_arms_train_resume_evaluate_and_tabulate(tmp_path, tiny_target_dir, 
     assert results[0]["chain_tau"] == evaluate_arm(
         model, tokenizer, spec.output_dir / "reference" / "head", prompts, 6, tree=[(0,), (0, 0)]
     )
+    # the reply tokens outside a head's draft vocabulary, as counted on plain greedy replies: the trained
+    # heads', and a copy of one whose vocabulary leaves out the first token of every reply
+    ids = {c: [prompt_ids(tokenizer, row) for row in rows] for c, rows in prompts.items()}
+    plain = {
+        c: [generate(model, i, None, max_new_tokens=6).one.sequence[i.shape[-1] :] for i in p]
+        for c, p in ids.items()
+    }
+    trained = load_heads(spec.output_dir / "reference" / "head", model)
+    firsts = {int(r[0]) for replies in plain.values() for r in replies}
+    vocab = [t for t in range(trained.config.vocab_size) if t not in firsts][:256]
+    save_heads(with_draft_vocab(trained, vocab, model.lm_head.weight), tmp_path / "narrow", base_model="tiny")
+    judged = [(Path(r.get("head_dir") or spec.output_dir / r["arm"] / r["head"]), r["tau"]) for r in results]
+    judged.append((tmp_path / "narrow", evaluate_arm(model, tokenizer, tmp_path / "narrow", prompts, 6)))
+    for folder, taus in judged:
+        t2d = load_heads(folder, model).t2d
+        for category, replies in plain.items():
+            record = taus[category]
+            assert record["tokens"] == sum(len(r) for r in replies) == record["emitted"] + record["prompts"]
+            assert record["outside"] == sum(int((~t2d[r]).sum()) for r in replies)
+    assert all(judged[-1][1][c]["outside"] >= len(r) for c, r in plain.items())  # each first token at least
     data, table = write_results(spec, results)
     text = table.read_text()
     assert text == render(spec, results) and "| ttt1 | `eagle.ttt_steps=1` |" in text
@@ -227,6 +279,7 @@ def test_two_arms_train_resume_evaluate_and_tabulate(tmp_path, tiny_target_dir, 
     assert "| chain-2 chat tau |" in text and f"| {chat['tau']:.2f} ({chat['tau_median']:.2f}) |\n" in text
     assert f"| again | head `{again['again']}` | - | head |" in text
     assert text.count("\n| ") == 5  # header + 4 judged heads
+    assert "outside vocab" not in text  # no held-out categories: no pooled kinds to give it for
     arms_judged = [r["arm"] for r in json.loads(data.read_text())["results"]]
     assert arms_judged == ["reference", "reference", "ttt1", "again"]
 

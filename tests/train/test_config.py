@@ -229,6 +229,11 @@ def test_cross_field_checks():
         )
     with pytest.raises(ConfigError, match="EAGLE-3.1 options: eagle.head_type must be eagle3"):
         load_config(EagleRunConfig, ROOT / "configs" / "eagle1_smollm2.yaml", ["eagle.norm_output=true"])
+    for extra in ([], ["eagle.head_type=dflash", "eagle.init_from=pretrained/x"]):
+        with pytest.raises(
+            ConfigError, match="redraw_vocab redraws the vocabulary of the eagle3 / peagle head"
+        ):
+            load_config(EagleRunConfig, None, REQUIRED + ["eagle.redraw_vocab=true", *extra])
     with pytest.raises(ConfigError, match="set train.eval_tau_prompts > 0"):
         load_config(EagleRunConfig, None, REQUIRED + ["train.keep_best_tau=true", "train.eval_tau_prompts=0"])
 

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from decode import generate
@@ -152,6 +153,27 @@ def test_init_from_starts_at_an_exported_head_and_keeps_its_draft_vocab(
                 "train.max_steps=1",
             )
         )
+
+
+def test_redraw_vocab_draws_from_the_run_data_and_keeps_the_rows_it_had(
+    tmp_path, overrides, run_recipe, ckpt, tiny_target_dir
+):
+    first, second = tmp_path / "first", tmp_path / "second"
+    run_recipe(overrides(first, *FAST, "train.max_steps=2"))
+    common = [*FAST, f"eagle.init_from='{first / 'head'}'", "train.max_steps=1", "train.learning_rate=1e-12"]
+    run_recipe(overrides(second, *common, "eagle.redraw_vocab=true", "eagle.draft_vocab_size=512"))
+    config = json.loads((second / "head" / "config.json").read_text())
+    assert config["head_config"]["draft_vocab_size"] == 512
+    old, new = ckpt.head_weights(first), ckpt.head_weights(second)
+    old_ids = (old["d2t"] + torch.arange(256)).tolist()
+    new_ids = (new["d2t"] + torch.arange(512)).tolist()
+    assert set(old_ids) < set(new_ids)  # the same data, a larger draw: the 256 most frequent and more
+    target = load_target(str(tiny_target_dir))[0].lm_head.weight.detach()
+    for row, token in enumerate(new_ids):  # lr 1e-12: the rows it started from
+        start = old["lm_head.weight"][old_ids.index(token)] if token in old_ids else target[token]
+        torch.testing.assert_close(new["lm_head.weight"][row], start, atol=1e-8, rtol=0)
+    for key in set(old) - {"lm_head.weight", "d2t", "t2d"}:
+        torch.testing.assert_close(new[key], old[key], atol=1e-8, rtol=0)
 
 
 def test_unknown_override_fails_before_any_model_loads(tmp_path, overrides, monkeypatch):
