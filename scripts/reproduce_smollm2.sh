@@ -20,7 +20,7 @@
 # first chat pool and the domains (one epoch online, 26 min), stage 4 from stage 3's over those and the fourth
 # pool (one epoch online, 39 min), Medusa-1 2,000 steps online over the 6,599 (37-63 min), the
 # benchmark of both (19-33 min), their cards, then DFlash (one epoch online, 45 min; its benchmark 35 min),
-# then P-EAGLE from the shipped EAGLE-3 head (one epoch online): about 6 h end to end on 2 AMD EPYC cores (2026-12-04, in a
+# then P-EAGLE from the shipped EAGLE-3 head (one epoch online, 33 min; its benchmarks 55 min): about 7 h end to end on 2 AMD EPYC cores (2026-12-04, in a
 # fresh clone; docs/benchmark.md has what it rebuilt). After a kill rerun the same command: the dumps keep
 # their complete shards and training resumes from its newest state.
 set -euo pipefail
@@ -33,7 +33,7 @@ shipped() {
         [eagle3]="OMP_NUM_THREADS=2 python train/eagle.py $stage1, then OMP_NUM_THREADS=2 python train/eagle.py configs/eagle3_smollm2_ship_stage2.yaml, then OMP_NUM_THREADS=2 python train/eagle.py configs/eagle3_smollm2_ship_stage3.yaml, then OMP_NUM_THREADS=2 python train/eagle.py configs/eagle3_smollm2_ship.yaml"
         [medusa1]="OMP_NUM_THREADS=2 python train/medusa.py configs/medusa1_smollm2_ship.yaml"
         [dflash]="python train/eagle.py configs/dflash_smollm2_ship.yaml"
-        [peagle]="OMP_NUM_THREADS=1 python train/eagle.py configs/peagle_smollm2_ship.yaml"
+        [peagle]="OMP_NUM_THREADS=2 python train/eagle.py configs/peagle_smollm2_ship.yaml"
     )
     mkdir -p runs
     python scripts/dump_hidden_states.py "$stage1"  # EAGLE-3 stage 1: 6,599 chats, two epochs
@@ -61,15 +61,21 @@ shipped() {
         --dflash-budget 16 --size-tree --out results/bench_dflash
     python scripts/ship_head.py runs/dflash_smollm2_ship/head --name dflash --command "${trained[dflash]}" \
         --bench results/bench_dflash/bench.json
-    # P-EAGLE: from the shipped EAGLE-3 head (its config's init_from), one epoch online; shipped, benchmarked
-    # beside EAGLE-3, then its card's rows
-    OMP_NUM_THREADS=1 python train/eagle.py configs/peagle_smollm2_ship.yaml > runs/peagle_smollm2_ship.log 2>&1
+    # P-EAGLE: from the shipped EAGLE-3 head (stage 4, its config's init_from), one epoch online over the four
+    # pools (about 33 min); shipped, benchmarked beside EAGLE-3 and DFlash, then on the held-out sources at T=0
+    # and T=1 (docs/benchmark.md), then its card's rows from the T=0 run
+    python train/eagle.py configs/peagle_smollm2_ship.yaml > runs/peagle_smollm2_ship.log 2>&1
     python scripts/ship_head.py runs/peagle_smollm2_ship/head --name peagle --command "${trained[peagle]}"
     local shipped=pretrained/smollm2-135m-instruct
     python scripts/bench.py --eagle3 "$shipped/eagle3" --dflash "$shipped/dflash" --peagle "$shipped/peagle" \
         --prompts 10 --max-new-tokens 64 --temperatures 0 1 --block-budget 8 --size-tree --out results/bench_peagle
+    local heldout=(--peagle "$shipped/peagle" --heldout --prompts 10 --max-new-tokens 64 256 --long-prompts 4 --chain 3)
+    python scripts/bench.py "${heldout[@]}" --block-budget 8 --temperatures 0 \
+        --only "P-EAGLE best-first 8" "P-EAGLE chain 3" --out results/bench_peagle_stage2
+    python scripts/bench.py "${heldout[@]}" --temperatures 1 --only "P-EAGLE chain 3" \
+        --out results/bench_peagle_sampling_stage2
     python scripts/ship_head.py runs/peagle_smollm2_ship/head --name peagle --command "${trained[peagle]}" \
-        --bench results/bench_peagle/bench.json
+        --bench results/bench_peagle_stage2/bench.json
 }
 if [[ "${1:-}" == shipped ]]; then
     shipped

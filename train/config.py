@@ -190,8 +190,9 @@ class EagleTrainConfig:
     norm_before_fc: bool = False  # EAGLE-3.1: RMSNorm over the concatenated taps before fc (eagle3)
     norm_output: bool = False  # EAGLE-3.1: the draft's normed output is its next step's feature (eagle3)
     init_from: str | None = None  # exported head folder to start from (more epochs, new data); its sizes,
-    # taps and draft vocabulary win over aux_layer_ids / draft_vocab_size; peagle may start from an eagle3
-    # head (its layer, taps and vocabulary; new placeholder inputs: heads.peagle.PEagleHead.from_eagle3)
+    # taps and draft vocabulary win over aux_layer_ids / draft_vocab_size (but see redraw_vocab); peagle may
+    # start from an eagle3 head (its layer, taps and vocabulary; new placeholder inputs:
+    # heads.peagle.PEagleHead.from_eagle3)
     redraw_vocab: bool = False  # with init_from (eagle3 / peagle): draw the draft vocabulary anew from this
     # run's training data, draft_vocab_size tokens (0: as many as the head has); rows of tokens the head
     # drafted carry over, new ones start as the target's lm_head rows (heads.eagle.with_draft_vocab)
