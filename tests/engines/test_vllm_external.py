@@ -570,10 +570,11 @@ def test_vllm_serves_the_dflash_export_as_we_decode(vllm_runs, setup, decoded, s
 def test_vllm_serves_the_peagle_export_with_parallel_drafting_as_we_decode(vllm_runs, setup, decoded, say):
     """vLLM 0.32's eagle3 method with `parallel_drafting` (the bonus token's slot and K - 1 slots fed the
     mask token's embedding and `mask_hidden`, all drafted in one forward) with the shipped P-EAGLE head: a
-    chain of its K drafts, the same tokens and counters as ours, every depth accepted at least once (the
-    placeholders' drafts are compared, not only the first)."""
+    chain of its K drafts, the same tokens and counters as ours, every depth but the last accepted at least
+    once (the placeholders' drafts are compared, not only the first; acceptance compounds, and the head
+    shipped on 2026-12-06 reaches depth 6 on none of these prompts, in vLLM as in ours)."""
     per_position = check_served(setup, say, decoded, vllm_runs["peagle"])[1]
-    assert min(per_position) > 0, f"a depth never accepted ({per_position}): too weak to compare"
+    assert min(per_position[:-1]) > 0, f"a depth never accepted ({per_position}): too weak to compare"
 
 
 def test_vllm_refuses_eagle3_for_the_gemma3_target_with_its_error(vllm_runs, say):
