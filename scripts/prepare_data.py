@@ -36,6 +36,7 @@ from train.prompts import (
     llamafactory_prompts,
     split,
 )
+from train.wide import WIDE_FILE, build_wide_pool
 
 
 def main() -> None:
@@ -66,7 +67,17 @@ def main() -> None:
         "how-tos, lists, letters and poems, tutor and shop system prompts, passages to summarise or explain, "
         "follow-ups of the domain and broad chats), drawn on from where the third pool's draw stopped",
     )
+    parser.add_argument(
+        "--wide",
+        action="store_true",
+        help="write only prompts_train_wide.jsonl, the fifth training pool (train/wide.py: eleven more "
+        "distributions with few prompts each, and follow-ups of the fourth pool's chats)",
+    )
     args = parser.parse_args()
+    if args.wide:
+        pool, near = build_wide_pool(args.out, args.seed)
+        report(args.out / WIDE_FILE, pool, near)
+        return
     if args.broad2:
         write_broad(args.out, args.seed, second=True)
         return
@@ -151,11 +162,16 @@ def write_broad(out: Path, seed: int, second: bool = False) -> None:
     duplicates of every evaluation prompt (`train.broad.build_pools`)."""
     name = POOL_FILES[1 if second else 0]
     pool, near = build_pools(out, seed)[name]
-    write_jsonl(out / name, pool)
+    report(out / name, pool, near)
+
+
+def report(path: Path, pool: list[dict], near: dict[str, int]) -> None:
+    """Write `pool` to `path` and print its rows per source and the near duplicates dropped."""
+    write_jsonl(path, pool)
     counts: dict[str, int] = {}
     for row in pool:
         counts[row["source"]] = counts.get(row["source"], 0) + 1
-    print(f"{out / name}: {len(pool)} rows {counts}; near duplicates dropped: {near}")
+    print(f"{path}: {len(pool)} rows {counts}; near duplicates dropped: {near}")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ later from the target itself (`train/regen.py`).
 
 from __future__ import annotations
 
+import fnmatch
 import gzip
 import json
 import random
@@ -32,8 +33,12 @@ CODE_INSTRUCTION = "Complete the following Python function.\n\n```python\n{promp
 def fetch(name: str, version: str, sdist: bool) -> Path:
     """The cached archive of one pinned distribution, downloaded with `pip download --no-deps` if missing."""
     folder = cache_dir() / "sources"
-    pattern = f"{name.replace('-', '_')}-{version}" + (".tar.gz" if sdist else "-*.whl")
-    found = sorted(folder.glob(pattern))
+    pattern = f"{name.replace('-', '_')}-{version}".lower() + (".tar.gz" if sdist else "-*.whl")
+
+    def matching() -> list[Path]:  # file names keep the project's spelling (Pint-0.24.4-...whl)
+        return sorted(p for p in folder.glob("*") if fnmatch.fnmatchcase(p.name.lower(), pattern))
+
+    found = matching()
     if not found:
         command = [
             sys.executable,
@@ -47,7 +52,7 @@ def fetch(name: str, version: str, sdist: bool) -> Path:
         ]
         command += ["--no-binary", ":all:"] if sdist else ["--only-binary", ":all:"]
         subprocess.run(command, check=True)
-        found = sorted(folder.glob(pattern))
+        found = matching()
     return found[-1]
 
 

