@@ -254,7 +254,8 @@ def wide_prompts(
     openers = [t for t in chat_openers() if not names_held_out(t, exclude)]
     for text in rng.sample(openers, min(sizes["chat"], len(openers))):
         add("chat", user(text))
-    for i, joke in enumerate(rng.sample(jokes(), min(sizes["joke"], len(jokes())))):
+    one_liners = jokes()
+    for i, joke in enumerate(rng.sample(one_liners, min(sizes["joke"], len(one_liners)))):
         add("joke", user(JOKE_ASKS[i % len(JOKE_ASKS)].format(joke=joke)))
     pairs = [(t, topic) for topic, ts in topic_terms().items() for t in ts if not names_held_out(t, exclude)]
     rng.shuffle(pairs)
