@@ -16,13 +16,12 @@
 # Then the heads shipped in pretrained/smollm2-135m-instruct/ (their cards say what they measured), from their
 # own configs; `bash scripts/reproduce_smollm2.sh shipped` runs only this part: EAGLE-3 stage 1 over 6,599
 # chats (its dump 25-38 min, two epochs 49-67 min), stage 2 over all 8,135 from stage 1's head (its dump 29-44
-# min, two epochs under bf16 autocast 40-57 min), stage 3 from stage 2's head over the broad pool beside the
-# first chat pool and the domains (one epoch online, 26 min), stage 4 from stage 3's over those and the fourth
-# pool (one epoch online, 39 min), Medusa-1 2,000 steps online over the 6,599 (37-63 min), the
+# min, two epochs under bf16 autocast 40-57 min), stages 3, 4 and 5 each from the last head, one epoch online
+# with one more pool each (26, 39 and 47 min), Medusa-1 2,000 steps online over the 6,599 (37-63 min), the
 # benchmark of both (19-33 min), their cards, then DFlash (one epoch online, 45 min; its benchmark 35 min),
-# then P-EAGLE from the shipped EAGLE-3 head (one epoch online, 33 min; its benchmarks 55 min): about 7 h end to end on 2 AMD EPYC cores (2026-12-04, in a
-# fresh clone; docs/benchmark.md has what it rebuilt). After a kill rerun the same command: the dumps keep
-# their complete shards and training resumes from its newest state.
+# then EAGLE-3's held-out benchmarks (about 50 min), then P-EAGLE from EAGLE-3's stage-4 head (one epoch
+# online, 33 min; its benchmarks 55 min): 9-10 h on 2 AMD EPYC cores by the parts' times. After a kill rerun
+# the same command: the dumps keep their complete shards and training resumes from its newest state.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -30,7 +29,7 @@ shipped() {
     export OMP_NUM_THREADS=2
     local stage1=configs/eagle3_smollm2_ship_stage1.yaml
     local -A trained=(  # the commands that go on the cards
-        [eagle3]="OMP_NUM_THREADS=2 python train/eagle.py $stage1, then OMP_NUM_THREADS=2 python train/eagle.py configs/eagle3_smollm2_ship_stage2.yaml, then OMP_NUM_THREADS=2 python train/eagle.py configs/eagle3_smollm2_ship_stage3.yaml, then OMP_NUM_THREADS=2 python train/eagle.py configs/eagle3_smollm2_ship.yaml"
+        [eagle3]="OMP_NUM_THREADS=2 python train/eagle.py $stage1, then OMP_NUM_THREADS=2 python train/eagle.py configs/eagle3_smollm2_ship_stage2.yaml, then OMP_NUM_THREADS=2 python train/eagle.py configs/eagle3_smollm2_ship_stage3.yaml, then OMP_NUM_THREADS=2 python train/eagle.py configs/eagle3_smollm2_ship_stage4.yaml, then OMP_NUM_THREADS=2 python train/eagle.py configs/eagle3_smollm2_ship.yaml"
         [medusa1]="OMP_NUM_THREADS=2 python train/medusa.py configs/medusa1_smollm2_ship.yaml"
         [dflash]="python train/eagle.py configs/dflash_smollm2_ship.yaml"
         [peagle]="OMP_NUM_THREADS=2 python train/eagle.py configs/peagle_smollm2_ship.yaml"
@@ -41,7 +40,8 @@ shipped() {
     python scripts/dump_hidden_states.py configs/eagle3_smollm2_ship_stage2.yaml  # stage 2: all 8,135, two more
     python train/eagle.py configs/eagle3_smollm2_ship_stage2.yaml > runs/eagle3_smollm2_ship_stage2.log 2>&1
     python train/eagle.py configs/eagle3_smollm2_ship_stage3.yaml > runs/eagle3_smollm2_ship_stage3.log 2>&1
-    python train/eagle.py configs/eagle3_smollm2_ship.yaml > runs/eagle3_smollm2_ship.log 2>&1  # stage 4
+    python train/eagle.py configs/eagle3_smollm2_ship_stage4.yaml > runs/eagle3_smollm2_ship_stage4.log 2>&1
+    python train/eagle.py configs/eagle3_smollm2_ship.yaml > runs/eagle3_smollm2_ship.log 2>&1  # stage 5
     python train/medusa.py configs/medusa1_smollm2_ship.yaml > runs/medusa1_smollm2_ship.log 2>&1
     python train/eagle.py configs/dflash_smollm2_ship.yaml > runs/dflash_smollm2_ship.log 2>&1  # 45 min, online
     local bench=results/bench_smollm2_pretrained
@@ -55,13 +55,22 @@ shipped() {
         python scripts/ship_head.py "runs/${name}_smollm2_ship/head" --name "$name" --command "${trained[$name]}" \
             --bench "$bench/bench.json"
     done
+    # EAGLE-3 on the held-out sources at T=0 and T=1 (64 and 256 tokens, docs/benchmark.md); its card's rows
+    # come from the T=0 run
+    local eagle3=(--eagle3 pretrained/smollm2-135m-instruct/eagle3 --heldout --prompts 10 --max-new-tokens 64 256
+        --long-prompts 4 --chain 3)
+    python scripts/bench.py "${eagle3[@]}" --temperatures 0 --only "EAGLE-3 dynamic" "EAGLE-3 chain 3" \
+        --out results/bench_heldout_stage5
+    python scripts/bench.py "${eagle3[@]}" --temperatures 1 --only "EAGLE-3 chain 3" --out results/bench_sampling_stage5
+    python scripts/ship_head.py runs/eagle3_smollm2_ship/head --name eagle3 --command "${trained[eagle3]}" \
+        --bench results/bench_heldout_stage5/bench.json
     # DFlash: shipped, then its own benchmark beside the two (docs/benchmark.md, DFlash), then its card's rows
     python scripts/ship_head.py runs/dflash_smollm2_ship/head --name dflash --command "${trained[dflash]}"
     python scripts/bench.py --pretrained --prompts 10 --max-new-tokens 64 --temperatures 0 1 --dflash-budget 8 \
         --dflash-budget 16 --size-tree --out results/bench_dflash
     python scripts/ship_head.py runs/dflash_smollm2_ship/head --name dflash --command "${trained[dflash]}" \
         --bench results/bench_dflash/bench.json
-    # P-EAGLE: from the shipped EAGLE-3 head (stage 4, its config's init_from), one epoch online over the four
+    # P-EAGLE: from EAGLE-3's stage-4 head (its config's init_from), one epoch online over the four
     # pools (about 33 min); shipped, benchmarked beside EAGLE-3 and DFlash, then on the held-out sources at T=0
     # and T=1 (docs/benchmark.md), then its card's rows from the T=0 run
     python train/eagle.py configs/peagle_smollm2_ship.yaml > runs/peagle_smollm2_ship.log 2>&1
