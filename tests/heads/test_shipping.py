@@ -219,8 +219,9 @@ def test_committed_head_was_trained_by_its_config_which_the_reproduce_script_run
     """Each shipped head's recorded run config equals configs/<name>_smollm2_ship.yaml in what shapes the head
     (data, length, schedule, steps, head settings; not where the run wrote or read its starting head), and
     scripts/reproduce_smollm2.sh trains it from that config and ships it under that name. A head continued
-    from an earlier stage's (init_from) names it in both, and the script trains every earlier stage first; one
-    started from another shipped head is trained after the script ships that head."""
+    from an earlier stage's (init_from, its own or another head's run folder) names it in both, and the script
+    trains every earlier stage first; one started from another shipped head is trained after the script ships
+    that head."""
     name = folder.name
     config = ROOT / "configs" / f"{name}_smollm2_ship.yaml"
     run_config = _run_config(folder)
@@ -243,8 +244,11 @@ def test_committed_head_was_trained_by_its_config_which_the_reproduce_script_run
         assert recorded["train"][key] == committed["train"][key], key
     script = (ROOT / "scripts" / "reproduce_smollm2.sh").read_text()
     assert f"configs/{name}_smollm2_ship.yaml" in script
+    # the stages a run can start from: its own, and (P-EAGLE from EAGLE-3) those of another head of its recipe
     stages = {
-        p: load_config(run_config, p, []) for p in (ROOT / "configs").glob(f"{name}_smollm2_ship_*.yaml")
+        p: load_config(run_config, p, [])
+        for p in sorted((ROOT / "configs").glob("*_smollm2_ship*.yaml"))
+        if p != config and section in yaml.safe_load(p.read_text())
     }
     later, seen = config, set()
     while init is not None:  # every earlier stage, back to the first, trained before the stage it feeds
@@ -255,7 +259,7 @@ def test_committed_head_was_trained_by_its_config_which_the_reproduce_script_run
             assert Path(init).name in ("eagle3", "medusa1") and ships < trains
             break
         stage = [p for p, c in stages.items() if str(Path(c.train.output_dir) / "head") == init]
-        assert stage, f"no configs/{name}_smollm2_ship_*.yaml writes {init}"
+        assert stage, f"no configs/*_smollm2_ship*.yaml writes {init}"
         assert stage[0] not in seen, f"the stages of {name} loop at {stage[0].name}"
         seen.add(stage[0])
         assert script.index(f"configs/{stage[0].name}") < script.index(f"configs/{later.name}"), stage[0]
