@@ -17,13 +17,17 @@ shards answer that pool's first rows).
 from __future__ import annotations
 
 import argparse
+import json
 import random
+from collections import Counter
 from pathlib import Path
 
 from heads.files import write_jsonl
+from targets import DEFAULT_TARGET
 from train.broad import POOL_FILES, build_pools
 from train.domains import domain_prompts, function_key
 from train.heldout import answer_first_turns, heldout_prompts
+from train.original import REPLY_BUDGET, llamafactory_replies, original_chats
 from train.prompts import (
     CHITCHAT,
     HUMAN_EVAL,
@@ -68,12 +72,21 @@ def main() -> None:
         "follow-ups of the domain and broad chats), drawn on from where the third pool's draw stopped",
     )
     parser.add_argument(
+        "--original",
+        action="store_true",
+        help="write only original/shard-*.jsonl: the first pool's llamafactory chats with their dataset's "
+        "replies in place of the target's (train/original.py; the on-policy ablation)",
+    )
+    parser.add_argument(
         "--wide",
         action="store_true",
         help="write only prompts_train_wide.jsonl, the fifth training pool (train/wide.py: eleven more "
         "distributions with few prompts each, and follow-ups of the fourth pool's chats)",
     )
     args = parser.parse_args()
+    if args.original:
+        write_original(args.out)
+        return
     if args.wide:
         pool, near = build_wide_pool(args.out, args.seed)
         report(args.out / WIDE_FILE, pool, near)
@@ -140,6 +153,29 @@ def main() -> None:
     print(f"held-out code prompts whose function is trained on in its other wording, left out: {len(twins)}")
     for name, rows in files.items():
         print(f"{args.out / name}: {len(rows)} rows, {(args.out / name).stat().st_size / 1e6:.2f} MB")
+
+
+def write_original(out: Path, shard_size: int = 512) -> None:
+    """out/original/shard-*.jsonl: the chats of out/regen and out/regen_extra that a llamafactory demo set
+    answers, with that answer (train/original.py)."""
+    from transformers import AutoTokenizer
+
+    from targets import resolve_target
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_target(DEFAULT_TARGET))
+    shards = sorted((out / "regen").glob("shard-*.jsonl")) + sorted(
+        (out / "regen_extra").glob("shard-*.jsonl")
+    )
+    regenerated = (json.loads(line) for path in shards for line in path.read_text().splitlines() if line)
+    rows = original_chats(regenerated, llamafactory_replies(fetch(*LLAMAFACTORY)), tokenizer, REPLY_BUDGET)
+    folder = out / "original"
+    folder.mkdir(parents=True, exist_ok=True)
+    for k in range(0, len(rows), shard_size):
+        write_jsonl(folder / f"shard-{k // shard_size:05d}.jsonl", rows[k : k + shard_size])
+    cut = Counter(row["source"] for row in rows if row["finish_reason"] == "length")
+    for source, count in Counter(row["source"] for row in rows).items():
+        print(f"{source:<26}{count:>6} chats, {cut[source]:>5} replies cut at {REPLY_BUDGET} tokens")
+    print(f"{folder}: {len(rows)} chats in {-(-len(rows) // shard_size)} shards")
 
 
 def write_heldout(out: Path, seed: int) -> None:

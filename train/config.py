@@ -74,6 +74,7 @@ class DataConfig:
     hidden_states: str = "online"  # online: run the target every step; offline: read states from offline_dir
     offline_dir: str | None = None  # folder of precomputed target hidden states; required when offline
     trim_loops: int = 0  # > 0: cut a reply looping past this many repeated 8-word runs (train.data.trim_loop)
+    sources: list[str] = field(default_factory=list)  # [] = every row; else only rows of these `source`s
 
     def __post_init__(self) -> None:
         _one_of("hidden_states", self.hidden_states, HIDDEN_STATES)

@@ -204,6 +204,7 @@ class DataReport:
     kept: int = 0  # rows in the dataset
     truncated: int = 0  # kept rows that reached max_length (cut, or exactly that long)
     loops_trimmed: int = 0  # kept rows whose last reply was cut inside a repetition loop (`trim_loop`)
+    left_out: int = 0  # rows of a source the `sources` filter does not name (not read further, not bad)
     bad: dict[str, int] = field(default_factory=dict)  # reason -> rows skipped
     examples: list[str] = field(default_factory=list)  # the first 10 "file:line: reason: detail"
 
@@ -217,6 +218,8 @@ class DataReport:
         head = f"{self.kept}/{self.total} rows kept ({self.truncated} truncated), skipped: {self.bad}"
         if self.loops_trimmed:
             head += f", replies cut inside a repetition loop: {self.loops_trimmed}"
+        if self.left_out:
+            head += f", rows of other sources left out: {self.left_out}"
         return "\n".join([head] + [f"  {example}" for example in self.examples])
 
 
@@ -249,6 +252,7 @@ def build_dataset(
     max_length: int,
     max_bad_fraction: float = 0.05,
     trim_loops: int = 0,
+    sources: Sequence[str] = (),
 ) -> tuple[Dataset, DataReport]:
     """Read chat files and render and mask every row, skipping and reporting bad rows: "invalid_json",
     "bad_row" (a `BadRow`, e.g. a chat the template rejects), "empty_loss_mask" (no reply within max_length).
@@ -260,17 +264,25 @@ def build_dataset(
         max_bad_fraction: stop when more than this fraction of one file's rows is skipped.
         trim_loops: > 0: cut a last reply that loops after its `trim_loops`-th repeated run of words
             (`trim_loop`); it is then a cut reply (no end-of-turn target). 0: replies as they are.
+        sources: when given, only the rows whose `source` field is one of these (the rest are left out and
+            counted, not bad); a named source that no row of `files` has is an error (a misspelt filter
+            would otherwise train on less than it says).
     Returns:
         (dataset with columns input_ids (int32 lists) and loss_mask (int8 lists), report).
     Raises:
-        ValueError: a file over max_bad_fraction (named, with counts and the first problems) or a template
-            that is not prefix-stable.
+        ValueError: a file over max_bad_fraction (named, with counts and the first problems), a template
+            that is not prefix-stable, or a source of `sources` that no row has.
     """
     files = [files] if isinstance(files, (str, Path)) else list(files)
     report, columns = DataReport(), {"input_ids": [], "loss_mask": []}
+    wanted, found = set(sources), set()
     for path in files:
         total, bad = 0, 0
         for number, row in read_rows(path):
+            if wanted and isinstance(row, dict) and row.get("source") not in wanted:
+                report.left_out += 1
+                continue
+            found.add(row.get("source") if isinstance(row, dict) else None)
             total += 1
             try:
                 if isinstance(row, Exception):
@@ -301,6 +313,11 @@ def build_dataset(
                 f"{path}: {bad} of {total} rows skipped ({bad / total:.1%} > max_bad_fraction="
                 f"{max_bad_fraction}); so far: {report}"
             )
+    if wanted - found:
+        raise ValueError(
+            f"data.sources names {sorted(wanted - found)}, which no row of {[str(f) for f in files]} has "
+            f"(their rows' sources: {sorted(s for s in found if s)} and {report.left_out} rows of others)"
+        )
     features = Features(input_ids=SequenceFeature(Value("int32")), loss_mask=SequenceFeature(Value("int8")))
     return Dataset.from_dict(columns, features=features), report
 

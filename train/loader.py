@@ -58,7 +58,12 @@ def load_datasets(data: DataConfig, tokenizer, accelerator: Accelerator) -> tupl
     """(train, eval) datasets, rendered with the target's chat template and masked to assistant tokens."""
     with accelerator.main_process_first():
         train_set, report = build_dataset(
-            expand_files(data.train_files), tokenizer, data.max_length, data.max_bad_fraction, data.trim_loops
+            expand_files(data.train_files),
+            tokenizer,
+            data.max_length,
+            data.max_bad_fraction,
+            data.trim_loops,
+            data.sources,
         )
         accelerator.print(f"train data: {report}")
         eval_set = None
@@ -69,6 +74,7 @@ def load_datasets(data: DataConfig, tokenizer, accelerator: Accelerator) -> tupl
                 data.max_length,
                 data.max_bad_fraction,
                 data.trim_loops,
+                data.sources,
             )
             accelerator.print(f"eval data: {eval_report}")
         elif data.eval_fraction > 0:

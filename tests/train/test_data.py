@@ -315,6 +315,20 @@ def test_build_dataset_stops_on_too_many_bad_rows(tmp_path, tokenizers):
     assert report.kept == 8
 
 
+def test_build_dataset_keeps_only_the_named_sources(tmp_path, tokenizers):
+    """data.sources: rows of other sources are left out and counted (not bad, not in the bad fraction); a
+    named source that no row has is an error, so a misspelt filter cannot train on less than it says."""
+    rows = [{"source": "a", "messages": CHAT}] * 3 + [{"source": "b", "messages": CHAT}] * 5 + ["{"]
+    path = _write(tmp_path / "mixed.jsonl", rows)
+    dataset, report = build_dataset(path, tokenizers["smollm2"], 128, max_bad_fraction=0.3, sources=["a"])
+    assert (len(dataset), report.kept, report.total, report.left_out) == (3, 3, 4, 5)
+    assert report.bad == {"invalid_json": 1} and "rows of other sources left out: 5" in str(report)
+    _, whole = build_dataset(path, tokenizers["smollm2"], 128, max_bad_fraction=0.3)
+    assert (whole.kept, whole.left_out) == (8, 0)
+    with pytest.raises(ValueError, match=r"data.sources names \['alpaca'\], which no row .* has"):
+        build_dataset(path, tokenizers["smollm2"], 128, max_bad_fraction=0.3, sources=["a", "alpaca"])
+
+
 def test_split_eval():
     train, held_out = split_eval(Dataset.from_dict({"input_ids": [[i] for i in range(20)]}), 0.25, seed=1)
     assert (len(train), len(held_out)) == (15, 5)
