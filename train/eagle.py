@@ -258,7 +258,7 @@ def draft_vocab_logits(head: EagleHead, target: nn.Module, other: bool = False) 
 
 
 def main(cfg: EagleRunConfig) -> None:
-    accelerator = make_accelerator(cfg.train)
+    accelerator = make_accelerator(cfg.train, cfg.model.dtype)
     check_deepspeed_precision(accelerator, cfg.model)
     set_seed(cfg.train.seed)
     accelerator.print(

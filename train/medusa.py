@@ -157,7 +157,7 @@ def main(cfg: MedusaRunConfig) -> None:
             "which changes its hidden states, so it must run the target online (medusa.lora_r=0 or "
             "data.hidden_states=online)"
         )
-    accelerator = make_accelerator(cfg.train)
+    accelerator = make_accelerator(cfg.train, cfg.model.dtype)
     check_deepspeed_precision(accelerator, cfg.model)
     set_seed(cfg.train.seed)
     joint = cfg.medusa.lora_r > 0

@@ -165,7 +165,7 @@ def dump_for_run(cfg: EagleRunConfig, batch_size: int = 8, shard_size: int = 32)
     """
     if not cfg.data.offline_dir:
         raise ValueError("set data.offline_dir=<folder> (where the states go)")
-    accelerator = make_accelerator(cfg.train)
+    accelerator = make_accelerator(cfg.train, cfg.model.dtype)
     target, tokenizer = load_frozen_target(cfg.model, accelerator)  # whole on every process, at its revision
     train_set, _ = load_datasets(cfg.data, tokenizer, accelerator)
     overrides = {"aux_layer_ids": tuple(cfg.eagle.aux_layer_ids)} if cfg.eagle.aux_layer_ids else {}

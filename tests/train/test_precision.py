@@ -10,12 +10,15 @@ from typing import ClassVar
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
+import train.distributed
 import train.loader
 import train.loop
 from train.checkpoint import latest_state
-from train.config import ConfigError, EagleRunConfig, MedusaRunConfig, load_config
+from train.config import ConfigError, EagleRunConfig, MedusaRunConfig, TrainConfig, load_config
+from train.distributed import resolve_cpu_precision
 
 TINY_YAML = Path(__file__).resolve().parents[2] / "configs" / "tiny_test.yaml"
 
@@ -83,6 +86,7 @@ def test_eagle3_bf16_autocast_keeps_fp32_master_weights_and_tracks_fp32_loss(
             *STEPS,
             "eagle.draft_vocab_size=256",
             "train.mixed_precision=bf16",
+            "train.cpu_bf16=always",  # autocast even on a CPU without bf16 kernels (the default falls back)
             f"model.dtype={target_dtype}",
         ),
         monkeypatch,
@@ -100,7 +104,9 @@ def test_medusa2_bf16_autocast_keeps_heads_and_lora_fp32_and_tracks_fp32_loss(
     bf16 = losses_of(
         run_recipe,
         "medusa",
-        overrides(out, *STEPS, *lora, "train.mixed_precision=bf16", "model.dtype=bfloat16"),
+        overrides(
+            out, *STEPS, *lora, "train.mixed_precision=bf16", "train.cpu_bf16=always", "model.dtype=bfloat16"
+        ),
         monkeypatch,
     )
     assert_fp32_weights_and_adam(out)
@@ -110,6 +116,38 @@ def test_medusa2_bf16_autocast_keeps_heads_and_lora_fp32_and_tracks_fp32_loss(
         torch.bfloat16
     }  # the target stays bf16
     assert_close_losses(bf16, fp32)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the fallback is for CPU-only machines")
+def test_bf16_on_a_cpu_without_bf16_kernels_trains_in_fp32_and_says_so(
+    tmp_path, overrides, monkeypatch, run_recipe, capsys
+):
+    """`train.cpu_bf16: native` (the default): where oneDNN has no bf16 kernels (an AVX2 CPU), bf16 autocast
+    would run every matmul on a reference path ~100x slower, so an fp32 target's run computes in fp32, says
+    so, and its config.yaml records it; a bf16 target keeps its autocast (it cannot train without it)."""
+    monkeypatch.setattr(train.distributed, "native_cpu_bf16", lambda: False)
+    args = [*STEPS, "eagle.draft_vocab_size=256"]
+    fp32 = losses_of(run_recipe, "eagle", overrides(tmp_path / "fp32", *args), monkeypatch)
+    capsys.readouterr()
+    out = tmp_path / "bf16"
+    fell_back = losses_of(
+        run_recipe, "eagle", overrides(out, *args, "train.mixed_precision=bf16"), monkeypatch
+    )
+    assert fell_back == fp32  # bit for bit: no autocast ran
+    assert "WARNING: train.mixed_precision=bf16 -> no: this CPU" in capsys.readouterr().out
+    assert yaml.safe_load((out / "config.yaml").read_text())["train"]["mixed_precision"] == "no"
+    config = TrainConfig(output_dir="x", mixed_precision="bf16")
+    assert "kept (model.dtype=bfloat16)" in resolve_cpu_precision(config, "bfloat16", deepspeed=False)
+    assert "kept (DeepSpeed)" in resolve_cpu_precision(config, "float32", deepspeed=True)
+    assert config.mixed_precision == "bf16"
+    config.cpu_bf16 = "always"
+    assert "kept (train.cpu_bf16=always)" in resolve_cpu_precision(config, "float32", deepspeed=False)
+    monkeypatch.setattr(train.distributed, "native_cpu_bf16", lambda: True)  # AVX512 / AMX: nothing to say
+    assert (
+        resolve_cpu_precision(TrainConfig(output_dir="x", mixed_precision="bf16"), "float32", False) is None
+    )
+    with pytest.raises(ConfigError, match=r"cpu_bf16 must be one of"):
+        load_config(EagleRunConfig, TINY_YAML, overrides(tmp_path, "train.cpu_bf16=sometimes"))
 
 
 @pytest.mark.parametrize("cls", [EagleRunConfig, MedusaRunConfig])
