@@ -31,10 +31,7 @@ DISTILL_LOSSES = ("soft_ce", "forward_kl", "lk_nla", "lk_hybrid")  # eagle.disti
 REPORT_TO = ("none", "wandb", "tensorboard")
 HALF_PRECISIONS = {"bf16": "bfloat16", "fp16": "float16"}  # train.mixed_precision -> its model.dtype
 MIXED_PRECISIONS = ("no", *HALF_PRECISIONS)
-CPU_BF16 = (
-    "native",
-    "always",
-)  # train.cpu_bf16: bf16 autocast on a CPU only where it has bf16 kernels, or always
+CPU_BF16 = ("native", "always")  # train.cpu_bf16: bf16 on a CPU where it has bf16 kernels, or always
 
 
 def _one_of(name: str, value: object, allowed: tuple[str, ...]) -> None:
@@ -118,10 +115,8 @@ class TrainConfig:
     report_to: str = "none"  # tracker for accelerator.log; "none" = console only (no network needed)
     mixed_precision: str = "no"  # compute under accelerate's autocast (weights stay fp32); "no" on CPU,
     # "bf16" on recent GPUs (bf16 also runs on CPU); "fp16" needs CUDA (grad scaler)
-    cpu_bf16: str = (
-        "native"  # bf16 on a CPU: "native" = only where oneDNN has bf16 kernels (AVX512 / AMX), else
-    )
-    # fp32 with a warning (an AVX2 CPU emulates bf16 matmuls ~100x slower); "always" = bf16 even there
+    cpu_bf16: str = "native"  # bf16 on a CPU: "native" = only where oneDNN has bf16 kernels, else fp32
+    # with a warning (AVX2 emulates bf16 matmuls ~100x slower: train.distributed); "always" = bf16 even there
     gradient_checkpointing: bool = False  # Medusa-2: recompute the LoRA-adapted target's activations in
     # backward (less memory, ~30% more compute); frozen passes keep none
     eval_tau_prompts: int = 0  # held-out prompts of the periodic simulated-tau eval; 0 = off
