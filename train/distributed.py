@@ -39,8 +39,8 @@ def resolve_cpu_precision(train: TrainConfig, model_dtype: str, deepspeed: bool)
         f"slower than fp32"
     )
     if train.cpu_bf16 == "always" or deepspeed or model_dtype != "float32":
-        why = "train.cpu_bf16=always" if train.cpu_bf16 == "always" else f"model.dtype={model_dtype}"
-        why = "DeepSpeed" if deepspeed and train.cpu_bf16 != "always" else why
+        other = "DeepSpeed" if deepspeed else f"model.dtype={model_dtype}"
+        why = "train.cpu_bf16=always" if train.cpu_bf16 == "always" else other
         return f"WARNING: train.mixed_precision=bf16 kept ({why}), but {slow}"
     train.mixed_precision = "no"
     return (
