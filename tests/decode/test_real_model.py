@@ -94,7 +94,8 @@ def test_deep_acceptance_on_default_target_is_lossless(target, prompts, plain_ou
     assert any(r > 0 for _, r in ranks_taken) and max(d for d, _ in ranks_taken) >= 3, ranks_taken
 
 
-@pytest.mark.parametrize(("kind", "batch"), [(None, 1), (None, 5), ("medusa", 3), ("medusa", 5)])
+# (a Medusa batch of 3 as well cost 29 s of CI: its rows are the first 3 of the batch of 5)
+@pytest.mark.parametrize(("kind", "batch"), [(None, 1), (None, 5), ("medusa", 5)])
 def test_batches_of_mixed_lengths_decode_as_each_prompt_alone(target, prompts, plain_outputs, kind, batch):
     """Left-padded batches of the prompts (their lengths differ): every row's greedy reply, with the Medusa
     heads drafting or plain, equals the prompt decoded alone (EOS rows stop early and leave the batch)."""

@@ -267,9 +267,19 @@ def test_committed_head_was_trained_by_its_config_which_the_reproduce_script_run
     assert "for name in eagle3 medusa1; do" in script and f"[{name}]=" in script
 
 
+@pytest.fixture(scope="module")
+def chat_plain():
+    """The default target and its plain greedy replies to 4 held-out chat prompts: (model, [(ids, output)]),
+    decoded once for every shipped head."""
+    model, tokenizer = load_target(DEFAULT_TARGET)
+    prompts, _ = load_prompts(ROOT / "data" / "smollm2", 4, 0)
+    ids = [prompt_ids(tokenizer, row) for row in prompts["chat"]]
+    return model, [(x, generate(model, x, None, max_new_tokens=32).one) for x in ids]
+
+
 @pytest.mark.real_model
 @pytest.mark.parametrize("folder", SHIPPED, ids=lambda p: p.name)
-def test_committed_head_loads_against_the_default_target_and_decodes_as_the_target(folder):
+def test_committed_head_loads_against_the_default_target_and_decodes_as_the_target(folder, chat_plain):
     """What the repository ships: half precision under 25 MB, accepted by the real target's checks, and
     drafting well enough on held-out chat prompts (a head of noise stays near tau 1) without changing a
     token of greedy decoding."""
@@ -278,13 +288,10 @@ def test_committed_head_loads_against_the_default_target_and_decodes_as_the_targ
     assert {v.dtype for v in weights.values() if v.is_floating_point()} <= {torch.bfloat16, torch.float16}
     assert "Trained by:" in (folder / CARD).read_text()
     assert load_config(_run_config(folder), folder / TRAIN_CONFIG, []).model.target == DEFAULT_TARGET
-    model, tokenizer = load_target(DEFAULT_TARGET)
+    model, plain_replies = chat_plain
     heads = load_heads(folder, target=model)
-    prompts, _ = load_prompts(ROOT / "data" / "smollm2", 4, 0)
     tokens = steps = 0
-    for row in prompts["chat"]:  # one prompt alone is too few: a short reply can be one the draft misses
-        ids = prompt_ids(tokenizer, row)
-        plain = generate(model, ids, None, max_new_tokens=32).one
+    for ids, plain in plain_replies:  # one prompt alone is too few: a short reply can be one the draft misses
         spec = generate(model, ids, heads, max_new_tokens=32).one
         assert torch.equal(spec.sequences, plain.sequences)
         tokens, steps = tokens + spec.new_tokens - 1, steps + spec.steps  # prefill's token: no verify pass
