@@ -349,15 +349,16 @@ def _exact_joint(model, sampling) -> np.ndarray:
     return probs.gather(2, grid[..., None])[..., 0].prod(1).numpy()
 
 
-def joint_pvalue(model, heads, tree, samples, batched=False, sampling=None, **kwargs) -> float:
+def joint_pvalue(model, heads, tree, samples, sampling=None, **kwargs) -> float:
     """Chi-square of `samples` decoded prefixes of JOINT tokens against their exact joint distribution (cells
-    expecting fewer than 5 pooled); batched: JOINT_ROWS copies of the prompt decoded together per call."""
+    expecting fewer than 5 pooled), JOINT_ROWS copies of the prompt decoded together per call (one prompt
+    alone runs the same loop, draws and rule; 2,000 calls of it cost 45 s of CI a test)."""
     sampling = sampling or {"temperature": 1.0}
     replies = []
-    for call in range(samples // JOINT_ROWS if batched else samples):
-        ids = PROMPT.expand(JOINT_ROWS, -1) if batched else PROMPT
+    for call in range(samples // JOINT_ROWS):
+        ids = PROMPT.expand(JOINT_ROWS, -1)
         out = generate(model, ids, heads, max_new_tokens=JOINT, tree=tree, seed=call, **sampling, **kwargs)
-        replies += out.replies if batched else [out.sequences[0, PROMPT.shape[1] :].tolist()]
+        replies += out.replies
     codes = np.array([sum(t * VOCAB ** (JOINT - 1 - i) for i, t in enumerate(r)) for r in replies])
     observed = np.bincount(codes, minlength=VOCAB**JOINT).astype(float)
     expected = _exact_joint(model, sampling) * len(replies)
@@ -371,9 +372,7 @@ def joint_pvalue(model, heads, tree, samples, batched=False, sampling=None, **kw
     "kind,tree", [("eagle1", BOUNDED), ("medusa", CASES[0][1])], ids=["bounded", "medusa"]
 )
 def test_joint_distribution_of_the_first_tokens_is_the_targets(target, kind, tree):
-    """Batched (50 rows a call), as the controls below: one prompt alone runs the same loop, draws and rule,
-    and 2,000 calls of it cost 45 s of CI a case."""
-    pvalue = joint_pvalue(target, make_heads(target, kind), tree, samples=2000, batched=True)
+    pvalue = joint_pvalue(target, make_heads(target, kind), tree, samples=2000)
     assert pvalue > 1e-3, f"the first {JOINT} tokens' joint distribution deviates (chi-square p={pvalue:.2e})"
 
 
@@ -428,18 +427,17 @@ JOINT_CONTROLS = {
 
 @pytest.mark.parametrize("control", JOINT_CONTROLS)
 def test_negative_controls_fail_the_joint_test(target, monkeypatch, control):
-    """Batched only: one prompt alone and 50 rows together run the same loop, draws and acceptance rule (what
-    the mutations replace), and the test's power is its sample count, the same for both; the positive tests
-    above run both ways. (Alone, each control costs 2,000 `generate` calls: 20-30 s of CI.)"""
+    """Batched, as every joint test (`joint_pvalue`): one prompt alone and 50 rows together run the same
+    draws and acceptance rule (what the mutations replace), and the test's power is its sample count."""
     mutate, heads, tree, samples = JOINT_CONTROLS[control]
     mutate(monkeypatch)
-    pvalue = joint_pvalue(target, heads(target), tree, samples=samples, batched=True)
+    pvalue = joint_pvalue(target, heads(target), tree, samples=samples)
     assert pvalue < 1e-3, f"the joint test failed to detect the {control} rule (p={pvalue:.2e})"
 
 
 def test_typical_acceptance_fails_the_joint_test(target):
     pvalue = joint_pvalue(
-        target, make_heads(target, "medusa"), CASES[0][1], samples=2000, batched=True, acceptance="typical"
+        target, make_heads(target, "medusa"), CASES[0][1], samples=2000, acceptance="typical"
     )
     assert pvalue < 1e-3, "typical acceptance should be detected as lossy"
 
