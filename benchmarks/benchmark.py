@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import transformers
 
+from benchmarks.agreement import first_difference
 from benchmarks.prompts import loops, pooled_labels, prompt_ids
 from decode import (
     DEFAULT_EAGLE_TREE,
@@ -44,6 +45,9 @@ from targets.layer_draft import layer_draft
 BLOCK_LABELS = {"dflash": "DFlash", "peagle": "P-EAGLE"}  # block drafters: every depth from one forward
 VERIFY_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48)  # tree sizes whose verify cost the sizing measures
 PROMPT_LOOKUP_TOKENS = 10  # transformers' documented starting point for prompt_lookup_num_tokens
+# EAGLE-3 + lookup: the n-gram part speaks where the last 3 tokens occurred before (1-grams everywhere cost
+# chat tau: docs/benchmark.md, "EAGLE-3 plus lookup")
+LOOKUP_MIN_NGRAM = 3
 # our prompt lookup (`decode.drafters.ngram`): a chain of up to as many tokens, drafted while the copy is sure
 # (a node without any match scores about 1/V: the chain stops there, and a step without a match is plain)
 LOOKUP_TREE = DynamicTree(
@@ -76,10 +80,12 @@ class Tally:
     plain_seconds: float = 0.0
     ratios: list[float] = field(default_factory=list)  # per-prompt speedups
     identical: list[bool] = field(default_factory=list)  # per prompt: same tokens as plain decoding
+    ties: int = 0  # prompts that differ from plain decoding first at an fp32 tie (benchmarks.agreement)
     looped: int = 0  # prompts whose plain reply ends in a repetition loop (`loops`)
 
-    def add(self, result: dict, plain: dict) -> None:
-        """One prompt's run of the method (`result`) and of plain decoding on the same target (`plain`)."""
+    def add(self, result: dict, plain: dict, tie: bool = False) -> None:
+        """One prompt's run of the method (`result`) and of plain decoding on the same target (`plain`);
+        `tie`: their outputs part first at an fp32 tie."""
         self.tokens += result["tokens"]
         self.seconds += result["seconds"]
         self.steps += result["steps"]
@@ -92,6 +98,7 @@ class Tally:
         self.plain_seconds += plain["seconds"]
         self.ratios.append((result["tokens"] / result["seconds"]) / (plain["tokens"] / plain["seconds"]))
         self.identical.append(torch.equal(result["sequences"], plain["sequences"]))
+        self.ties += tie
         self.looped += loops(plain["sequences"][0, plain["sequences"].shape[1] - plain["tokens"] :].tolist())
 
     def summary(self) -> dict:
@@ -114,6 +121,7 @@ class Tally:
             "tokens": self.tokens,
             "prompts": len(self.ratios),
             "identical_to_plain": sum(self.identical),
+            "fp32_ties": self.ties,
             "plain_looped": self.looped,
         }
 
@@ -299,7 +307,7 @@ def build_methods(
         methods.append(Method("EAGLE-3 static", loaded["eagle3"], "tree8", tree_label=tree_label("tree8")))
         methods.append(Method("EAGLE-3 dynamic", loaded["eagle3"], DEFAULT_EAGLE_TREE, tree_label=dynamic))
         methods += dynamic_methods("EAGLE-3", loaded["eagle3"], eagle3_trees)
-        both = Composite([loaded["eagle3"], Ngram()])
+        both = Composite([loaded["eagle3"], Ngram(min_ngram=LOOKUP_MIN_NGRAM)])  # 1:1, where lookup matches
         methods.append(Method("EAGLE-3 + lookup", both, DEFAULT_EAGLE_TREE, tree_label=dynamic))
     for layers in draft_layers:
         draft = DraftModel(layer_draft(model, layers))
@@ -366,7 +374,7 @@ def run_benchmark(
     its pooled kind ("in-source", "held-out", at that length) or "all". Per temperature, category and prompt,
     plain decoding of each target and every method run back to back in a rotating order; one untimed warm-up
     run of each first. At temperature 0 a method whose output differs from plain greedy decoding is named on
-    stderr.
+    stderr, with where and whether the target's logits tie there (`benchmarks.agreement`).
 
     Args:
         layout: keyword arguments of `decode.prepare` (pretranspose, int8_draft), the same for every method.
@@ -398,15 +406,19 @@ def run_benchmark(
                 }
                 for method in methods:
                     plain = outputs[f"plain ({method.target})"]
-                    for key in [(method.name, temperature, c) for c in (category, *pooled_labels(category))]:
-                        tallies.setdefault(key, Tally()).add(outputs[method.name], plain)
-                    if temperature == 0 and not torch.equal(
-                        outputs[method.name]["sequences"], plain["sequences"]
-                    ):
+                    difference = None
+                    if temperature == 0:
+                        ours = outputs[method.name]["sequences"]
+                        difference = first_difference(targets[method.target], plain["sequences"], ours)
+                    if difference is not None:
                         print(
-                            f"WARNING: {method.name} on {row['id']} differs from plain greedy decoding",
+                            f"WARNING: {method.name} on {row['id']} differs from plain greedy decoding at "
+                            f"{difference}",
                             file=sys.stderr,
                         )
+                    tie = difference is not None and difference.tie
+                    for key in [(method.name, temperature, c) for c in (category, *pooled_labels(category))]:
+                        tallies.setdefault(key, Tally()).add(outputs[method.name], plain, tie)
                 done += 1
                 rates = ", ".join(
                     f"{m.name} {outputs[m.name]['tokens'] / outputs[m.name]['seconds']:.1f} tok/s"

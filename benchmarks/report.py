@@ -37,8 +37,9 @@ def render(results: dict) -> str:
             f"weights {weights}, {drafts}. "
             "Cells: tau (tokens per target forward, bonus token included) / speedup (method tok/s over plain "
             "tok/s on the same prompts, pooled) (median of per-prompt speedups). Temperature 0: outputs "
-            "compared token for token with plain greedy decoding (column `same as plain`); temperature > 0: "
-            "the lossless rule."
+            "compared token for token with plain greedy decoding (column `same as plain`; an fp32 tie: the "
+            "first differing token is one where the target's two logits are closer than fp32 rounding, "
+            "benchmarks/agreement.py); temperature > 0: the lossless rule."
         ),
     ]
     for temperature in dict.fromkeys(r["temperature"] for r in results["rows"]):
@@ -119,6 +120,8 @@ def _table(rows: list[dict], cats: list[str], temperature: float, length: str) -
         cell = {r["category"]: r for r in rows if r["method"] == name}
         total = cell["all"]
         same = f"{total['identical_to_plain']}/{total['prompts']}" if temperature == 0 else "n/a"
+        if temperature == 0 and total.get("fp32_ties"):
+            same += f" ({total['fp32_ties']} fp32 tie{'s' if total['fp32_ties'] > 1 else ''})"
         table.append(
             [name, total["tree"]]
             + [

@@ -61,8 +61,9 @@ def prepare(
 
     Args:
         model: the target, in inference use.
-        heads: the draft heads, or a custom `Drafter` (which only sizes the tree); None for plain decoding
-            (which gets the oneDNN weights too, so that both are measured on the same kernels).
+        heads: the draft heads, a `Composite` (its head parts readied as heads), or a custom `Drafter` (which
+            only sizes the tree); None for plain decoding (which gets the oneDNN weights too, so that both are
+            measured on the same kernels).
         tree: the tree `generate` will get (None: the heads' default tree).
         pretranspose: force the MKL weight copies and packing on (True) or off (False); None: where they
             help and oneDNN is not used (with oneDNN on, copies an earlier call made are removed unless True).
@@ -84,12 +85,16 @@ def prepare(
         onednn = fast_cpu and can_onednn()
     if pretranspose is None:
         pretranspose = fast_cpu and can_pack() and not onednn
-    head_module = _is_head(heads)  # other draft sources (a custom `Drafter`, n-gram ...) are left as they are
-    if head_module and int8_draft and not is_int8_draft(heads):
-        quantize_draft(heads, model)
-    # the target, and the models a draft source drafts with (a separate draft model), laid out alike
-    models = [model, *_draft_models(heads)]
-    for module in [*models, heads] if head_module else models:
+    # the heads (`heads`, or a composite's head parts) and the models the target and a draft source draft with
+    # (a separate draft model); other sources (a custom `Drafter`, n-gram ...) are left as they are
+    parts = [heads] if _is_head(heads) else []
+    models = [model]
+    for module in _draft_models(heads):
+        (parts if _is_head(module) else models).append(module)
+    for head in parts:
+        if int8_draft and not is_int8_draft(head):
+            quantize_draft(head, model)
+    for module in [*models, *parts]:
         if onednn:
             # a head: the layers int8 left in fp32 (EAGLE's fc), or all of an fp32 one
             onednn_linears(module, force=refresh)
@@ -98,11 +103,11 @@ def prepare(
         elif onednn is False:
             drop_onednn(module)
     if pretranspose:
-        for module in [*models, heads] if head_module else models:
+        for module in [*models, *parts]:
             pretranspose_linears(module, force=refresh)
     pack_for_tree(model, heads, tree, force=refresh, temperature=temperature)
-    if head_module and refresh:
-        forget_fused_step(heads)  # its stacked draft weights are taken again at the next draft
+    for head in parts if refresh else ():
+        forget_fused_step(head)  # its stacked draft weights are taken again at the next draft
     return heads
 
 
@@ -183,8 +188,8 @@ def pack_for_tree(
         temperature=temperature,
     )
     pack_linears(target, verify_rows(tree), force=force)
-    if _is_head(heads):
-        pack_linears(heads, head_rows(limits, tree), force=force)
+    for head in [heads] if _is_head(heads) else [m for m in _draft_models(heads) if _is_head(m)]:
+        pack_linears(head, head_rows(limits, tree), force=force)
 
 
 def _draft_models(source) -> list[nn.Module]:

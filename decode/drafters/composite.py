@@ -13,12 +13,15 @@ own layers' slice of the features the composite taps (the union of the parts' la
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
 from decode.drafter import Drafter, DraftLimits
+
+FLOOR = math.log(1e-30)  # log-probability of the tokens no part proposes (the mixture's floor)
 
 
 @dataclass(frozen=True, eq=False)
@@ -27,6 +30,7 @@ class Composite:
 
     parts: list
     weights: list[float] = field(default_factory=list)  # mixture weights (normalised); [] = equal
+    abstain: bool = True  # a part with flat logits at a node (no opinion) leaves that node's mixture
 
     def __post_init__(self) -> None:
         if len(self.parts) < 2:
@@ -55,6 +59,8 @@ class CompositeDrafter(Drafter):
         self.parts = [make_drafter(part, target, batch) for part in source.parts]
         weights = source.weights or [1.0] * len(self.parts)
         self.weights = [w / sum(weights) for w in weights]
+        self.abstain = source.abstain
+        self._ids: dict[tuple, Tensor | None] = {}
         self.vocab_size = target.get_output_embeddings().weight.shape[0]
         self.feature_layers = tuple(dict.fromkeys(layer for p in self.parts for layer in p.feature_layers))
         # where each part's layers sit among the composite's (features are concatenated per layer)
@@ -81,16 +87,49 @@ class CompositeDrafter(Drafter):
             columns = torch.cat([torch.arange(i * width, (i + 1) * width) for i in layers])
             part.advance([f[:, columns.to(f.device)] for f in features], tokens)
 
+    def _target_ids(self, i: int, logits: Tensor) -> Tensor | None:
+        """Part i's vocabulary as target ids (cached), or None where it is the target's own, in order."""
+        key = (i, logits.shape[-1], logits.device)
+        if key not in self._ids:
+            ids = self.parts[i].to_target_ids(torch.arange(logits.shape[-1], device=logits.device))
+            identity = logits.shape[-1] == self.vocab_size and bool(
+                (ids == torch.arange(self.vocab_size, device=ids.device)).all()
+            )
+            self._ids[key] = None if identity else ids
+        return self._ids[key]
+
+    def _in_target_vocabulary(self, logits: list[Tensor]) -> list[Tensor]:
+        """The parts' logits over the target's vocabulary: -inf for the tokens outside a part's own (by a
+        scatter: index_copy_ along the last dimension is slower on the CPU)."""
+        out = []
+        for i, x in enumerate(logits):
+            ids = self._target_ids(i, x)
+            if ids is not None:
+                full = x.new_full((*x.shape[:-1], self.vocab_size), -math.inf)
+                x = full.scatter_(-1, ids.expand(*x.shape[:-1], -1), x)
+            out.append(x)
+        return out
+
     def _mixture(self, logits: list[Tensor]) -> Tensor:
-        """log of the weighted mixture of the parts' softmaxes, over the target's vocabulary."""
-        mixed = None
-        for part, weight, part_logits in zip(self.parts, self.weights, logits):
-            probs = torch.softmax(part_logits.float(), dim=-1) * weight
-            full = probs.new_zeros(*probs.shape[:-1], self.vocab_size)
-            ids = part.to_target_ids(torch.arange(probs.shape[-1], device=probs.device))
-            full[..., ids] = probs
-            mixed = full if mixed is None else mixed + full
-        return mixed.clamp_min(1e-30).log()
+        """log of the weighted mixture of the parts' softmaxes, over the target's vocabulary. With
+        `abstain`, a part whose logits are flat at a node (n-gram lookup without a match) has no weight
+        there, and the others' weights are renormalised; a node where every part is flat keeps them all. On
+        the CPU a part with no weight at any node of the call is skipped, and where one part speaks alone its
+        log-probabilities are the result (checks that would each cost a GPU a host round trip)."""
+        logits = [x.float() for x in self._in_target_vocabulary(logits)]
+        weights = torch.tensor(self.weights, device=logits[0].device).expand(*logits[0].shape[:-1], -1)
+        if self.abstain:
+            speaks = torch.stack([x.amax(-1) > x.amin(-1) for x in logits], dim=-1)
+            speaks |= ~speaks.any(-1, keepdim=True)
+            weights = weights * speaks
+            weights = weights / weights.sum(-1, keepdim=True)
+        used = list(range(len(self.parts)))
+        if logits[0].device.type == "cpu":
+            used = [i for i in used if bool(weights[..., i].any())]
+        if len(used) == 1:  # weight 1 wherever it is used
+            return torch.log_softmax(logits[used[0]], dim=-1).clamp_min_(FLOOR)
+        mixed = sum(torch.softmax(logits[i], dim=-1).mul_(weights[..., i : i + 1]) for i in used)
+        return mixed.clamp_min_(math.exp(FLOOR)).log_()
 
     def root_logits(self):
         return self._mixture([p.root_logits() for p in self.parts])

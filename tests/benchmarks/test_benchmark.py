@@ -50,6 +50,9 @@ def test_tally_pools_tokens_and_time_over_prompts_and_takes_the_median_of_per_pr
     assert summary["tokens"] == 14 and summary["prompts"] == 2 and summary["identical_to_plain"] == 1
     tally.add(run(5, 1.0, 2, [], None, [1]), run(5, 1.0, 5, [], 0, [1]))  # prompt lookup: nodes unknown
     assert tally.summary()["draft_nodes_per_step"] is None
+    assert tally.summary()["fp32_ties"] == 0
+    tally.add(run(5, 1.0, 4, [2], None, [1, 2, 4]), run(5, 1.0, 4, [], 0, [1, 2, 3]), tie=True)
+    assert tally.summary()["fp32_ties"] == 1 and tally.summary()["identical_to_plain"] == 2
 
 
 def test_lookup_counts_leave_out_the_prompt_and_the_prefill_pass():
@@ -261,6 +264,13 @@ def test_render_of_a_known_record():
     assert "Chosen tree: **best**" in text
     assert "| EAGLE-3 dynamic (fixed default): dyn | 2.00 | 15.0 | 3.0 | 1.10x |" in lines
     assert "| **chosen**: best | 2.50 | 14.0 | 2.0 | 1.56x |" in lines
+    tied = [
+        {**r, "identical_to_plain": 1, "fp32_ties": 1} if r["temperature"] == 0 else r for r in RECORD["rows"]
+    ]
+    assert (
+        cells.format("3.00 / 2.00x (2.00x)", "1/2 (1 fp32 tie)")
+        in render({**RECORD, "rows": tied}).splitlines()
+    )
     fp32 = render({**RECORD, "pretransposed": False, "int8_draft": [], "sizing": {}})
     assert "Linear weights as loaded, fp32 draft heads." in fp32 and "Cost-model" not in fp32
     onednn = render({**RECORD, "onednn": True})

@@ -158,6 +158,43 @@ def test_a_composite_gives_each_part_its_own_features_and_mixes_their_drafts(bui
     torch.testing.assert_close(composite.root_logits()[0].exp(), mixed, atol=1e-6, rtol=1e-5)
 
 
+def test_a_composite_part_without_an_opinion_leaves_the_mixture(build_target):
+    """Where the n-gram part has no match (flat logits) the composite drafts exactly as its EAGLE-3 part
+    alone; where it matches, the mixture is the weighted one. With `abstain=False` the flat part is mixed in
+    everywhere, halving EAGLE-3's probabilities where lookup knows nothing."""
+    model = build_target("llama")
+    torch.manual_seed(2)
+    eagle3 = EagleHead(EagleConfig.from_target(model.config, "eagle3")).eval()
+    prompt = torch.tensor([[5, 6, 7, 9, 5, 6]])
+    with FeatureCapture(model, eagle3.feature_layers) as capture:
+        model(prompt)
+        features = capture.features()[0]
+    tokens = torch.cat([prompt[0, 1:], torch.tensor([3])])  # the text: 5 6 7 9 5 6 3, root 3
+
+    def proposal(source, takes_features=True):
+        """Root, then the root's children 5 and 6, then 6 below that 5: the text ...3 5 6 ends in "5 6",
+        which lookup (2- and 3-grams) has seen followed by 7 and by 3; "6 3", "3 5" and "3 6" it has not."""
+        made = make_drafter(source, model, 1)
+        made.start([prompt[0]])
+        made.advance([features] if takes_features else None, [tokens])
+        root = made.root_logits()[0]
+        level1 = made.expand(torch.tensor([[-1, -1]]), torch.tensor([[5, 6]]), 1)[0]
+        level2 = made.expand(torch.tensor([[0]]), torch.tensor([[6]]), 2)[0, 0]
+        return [torch.softmax(x.float(), -1) for x in (root, level1[0], level1[1], level2)]
+
+    alone = proposal(eagle3)
+    lookup = proposal(Ngram(min_ngram=2), takes_features=False)
+    assert [p.max().item() == p.min().item() for p in lookup] == [True, True, True, False]
+    assert lookup[3][7] == pytest.approx(0.5, abs=1e-6) and lookup[3][3] == pytest.approx(0.5, abs=1e-6)
+    gated = proposal(Composite([eagle3, Ngram(min_ngram=2)], weights=[1, 1]))
+    mixed = proposal(Composite([eagle3, Ngram(min_ngram=2)], weights=[1, 1], abstain=False))
+    for node in range(4):
+        both = 0.5 * alone[node] + 0.5 * lookup[node]
+        expected = both if node == 3 else alone[node]
+        torch.testing.assert_close(gated[node], expected, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(mixed[node], both, atol=1e-6, rtol=1e-5)
+
+
 def test_every_part_of_a_composite_must_be_a_draft_source():
     with pytest.raises(ValueError, match="at least two parts"):
         Composite([Ngram()])

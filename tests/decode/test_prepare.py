@@ -13,7 +13,9 @@ import torch
 from torch import nn
 
 from decode import DEFAULT_EAGLE_TREE, generate, prepare
+from decode.drafters.composite import Composite
 from decode.drafters.lm_head import DRAFT_LM_HEAD, draft_lm_head
+from decode.drafters.ngram import Ngram
 from decode.layout import (
     can_int8,
     can_onednn,
@@ -83,6 +85,25 @@ def test_prepare_on_this_cpu_gives_target_plain_decoding_and_draft_fc_the_onednn
     prepare(target, head, TREE)  # on again: the MKL copies, which fp32 inputs would no longer read, go
     assert is_onednn(target) and not is_pretransposed(target) and packed_rows(target) is None
     assert not is_pretransposed(head) and onednn_weight(head.fc) is not None
+
+
+@x86
+@pytest.mark.parametrize("onednn", [False, None], ids=["mkl", "default"])
+def test_prepare_readies_the_heads_inside_a_composite_as_it_readies_a_head(build_target, onednn):
+    """A `Composite`'s head parts are heads to prepare: int8, the layout, packed for the tree's rows and
+    their fused draft step taken again; its n-gram part is left alone. Greedy output is plain decoding's."""
+    target = copy.deepcopy(build_target("llama"))
+    plain = generate(target, PROMPT, max_new_tokens=32).one.sequences
+    head = _eagle3(target)
+    both = Composite([head, Ngram(min_ngram=2)])
+    assert prepare(target, both, TREE, onednn=onednn) is both
+    assert is_int8_draft(head) and list(_linears(head)) == ["fc"]
+    if onednn is False:
+        assert packed_rows(head) == TREE.top_k and packed_rows(target) == verify_rows(TREE)
+    else:
+        assert onednn_weight(head.fc) is not None
+    out = generate(target, PROMPT, both, max_new_tokens=32, tree=TREE).one
+    assert out.sequences.tolist() == plain.tolist()
 
 
 @x86
