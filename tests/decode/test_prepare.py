@@ -16,6 +16,7 @@ from decode import DEFAULT_EAGLE_TREE, generate, prepare
 from decode.drafters.composite import Composite
 from decode.drafters.lm_head import DRAFT_LM_HEAD, draft_lm_head
 from decode.drafters.ngram import Ngram
+from decode.fused import fused_step
 from decode.layout import (
     can_int8,
     can_onednn,
@@ -104,6 +105,9 @@ def test_prepare_readies_the_heads_inside_a_composite_as_it_readies_a_head(build
         assert onednn_weight(head.fc) is not None
     out = generate(target, PROMPT, both, max_new_tokens=32, tree=TREE).one
     assert out.sequences.tolist() == plain.tolist()
+    built = fused_step(head)  # what that decoding drafted with
+    prepare(target, both, TREE, onednn=onednn)
+    assert fused_step(head) is not built  # taken again from the current weights
 
 
 @x86
