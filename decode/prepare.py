@@ -25,7 +25,7 @@ from decode.layout import (
 )
 from decode.tree import DynamicTree, resolve_tree, verify_rows
 from heads.io import quantized_layers
-from heads.registry import kind_of
+from heads.registry import KINDS, kind_of
 
 
 def prepare(
@@ -201,8 +201,14 @@ def _draft_models(source) -> list[nn.Module]:
 
 
 def _is_head(source) -> bool:
-    """A head module of a registered checkpoint kind (what `prepare` lays out and quantizes)."""
-    return isinstance(source, nn.Module) and bool(kind_of(source).head_types)
+    """A head module of a registered checkpoint kind (what `prepare` lays out and quantizes); a separate draft
+    model's network is not one, nor registered at all."""
+    return isinstance(source, nn.Module) and any(
+        kind.head_types
+        and isinstance(source, kind.source_class())
+        and getattr(source, "head_type", None) in kind.head_types
+        for kind in KINDS.values()
+    )
 
 
 def head_rows(limits: DraftLimits, tree) -> int | None:

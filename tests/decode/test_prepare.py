@@ -15,6 +15,7 @@ from torch import nn
 from decode import DEFAULT_EAGLE_TREE, generate, prepare
 from decode.drafters.composite import Composite
 from decode.drafters.lm_head import DRAFT_LM_HEAD, draft_lm_head
+from decode.drafters.model import DraftModel
 from decode.drafters.ngram import Ngram
 from decode.fused import fused_step
 from decode.layout import (
@@ -33,6 +34,7 @@ from decode.prepare import is_int8_draft, pack_for_tree, quantize_draft
 from decode.tree import DEFAULT_MEDUSA_TREE, DEFAULT_TREES, DynamicTree, verify_rows
 from heads.eagle import EagleConfig, EagleHead
 from heads.medusa import MedusaConfig, MedusaHeads
+from targets.layer_draft import layer_draft
 
 prepare_module = importlib.import_module("decode.prepare")  # `decode.prepare` is the function
 PROMPT = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(1))
@@ -92,17 +94,21 @@ def test_prepare_on_this_cpu_gives_target_plain_decoding_and_draft_fc_the_onednn
 @pytest.mark.parametrize("onednn", [False, None], ids=["mkl", "default"])
 def test_prepare_readies_the_heads_inside_a_composite_as_it_readies_a_head(build_target, onednn):
     """A `Composite`'s head parts are heads to prepare: int8, the layout, packed for the tree's rows and
-    their fused draft step taken again; its n-gram part is left alone. Greedy output is plain decoding's."""
+    their fused draft step taken again; its draft model gets the target's layout, its n-gram part nothing.
+    Greedy output is plain decoding's."""
     target = copy.deepcopy(build_target("llama"))
     plain = generate(target, PROMPT, max_new_tokens=32).one.sequences
     head = _eagle3(target)
-    both = Composite([head, Ngram(min_ngram=2)])
+    draft = layer_draft(target, 1)  # a separate draft model's network: laid out as the target, not a head
+    both = Composite([head, Ngram(min_ngram=2), DraftModel(draft)])
     assert prepare(target, both, TREE, onednn=onednn) is both
     assert is_int8_draft(head) and list(_linears(head)) == ["fc"]
+    assert not is_int8_draft(draft) and len(_linears(draft)) > 1
     if onednn is False:
         assert packed_rows(head) == TREE.top_k and packed_rows(target) == verify_rows(TREE)
+        assert is_pretransposed(draft)
     else:
-        assert onednn_weight(head.fc) is not None
+        assert onednn_weight(head.fc) is not None and is_onednn(draft)
     out = generate(target, PROMPT, both, max_new_tokens=32, tree=TREE).one
     assert out.sequences.tolist() == plain.tolist()
     built = fused_step(head)  # what that decoding drafted with
