@@ -25,7 +25,7 @@ from decode.layout import (
 )
 from decode.tree import DynamicTree, resolve_tree, verify_rows
 from heads.io import quantized_layers
-from heads.registry import KINDS, kind_of
+from heads.registry import find_kind, kind_of
 
 
 def prepare(
@@ -203,12 +203,8 @@ def _draft_models(source) -> list[nn.Module]:
 def _is_head(source) -> bool:
     """A head module of a registered checkpoint kind (what `prepare` lays out and quantizes); a separate draft
     model's network is not one, nor registered at all."""
-    return isinstance(source, nn.Module) and any(
-        kind.head_types
-        and isinstance(source, kind.source_class())
-        and getattr(source, "head_type", None) in kind.head_types
-        for kind in KINDS.values()
-    )
+    kind = find_kind(source) if isinstance(source, nn.Module) else None
+    return kind is not None and bool(kind.head_types)
 
 
 def head_rows(limits: DraftLimits, tree) -> int | None:

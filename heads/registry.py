@@ -73,16 +73,24 @@ def register(kind: Kind) -> Kind:
     return kind
 
 
-def kind_of(source) -> Kind:
+def find_kind(source) -> Kind | None:
     """The kind whose source class `source` is an instance of (subclasses included) and, for a kind of
-    checkpoints, whose head types hold `source.head_type`."""
+    checkpoints, whose head types hold `source.head_type`; None if no kind is."""
     for kind in KINDS.values():
         if isinstance(source, kind.source_class()) and (
             not kind.head_types or getattr(source, "head_type", None) in kind.head_types
         ):
             return kind
-    known = ", ".join(f"{k.name} ({k.source.partition(':')[2]})" for k in KINDS.values())
-    raise TypeError(f"no drafter is registered for {type(source).__name__}; registered: {known}")
+    return None
+
+
+def kind_of(source) -> Kind:
+    """`find_kind`, or a TypeError that names the registered kinds."""
+    kind = find_kind(source)
+    if kind is None:
+        known = ", ".join(f"{k.name} ({k.source.partition(':')[2]})" for k in KINDS.values())
+        raise TypeError(f"no drafter is registered for {type(source).__name__}; registered: {known}")
+    return kind
 
 
 def kind_for_head_type(head_type: str) -> Kind:
