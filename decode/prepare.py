@@ -87,10 +87,8 @@ def prepare(
         pretranspose = fast_cpu and can_pack() and not onednn
     # the heads (`heads`, or a composite's head parts) and the models the target and a draft source draft with
     # (a separate draft model); other sources (a custom `Drafter`, n-gram ...) are left as they are
-    parts = [heads] if _is_head(heads) else []
-    models = [model]
-    for module in _draft_models(heads):
-        (parts if _is_head(module) else models).append(module)
+    parts = _head_parts(heads)
+    models = [model, *(m for m in _draft_models(heads) if not _is_head(m))]
     for head in parts:
         if int8_draft and not is_int8_draft(head):
             quantize_draft(head, model)
@@ -188,7 +186,7 @@ def pack_for_tree(
         temperature=temperature,
     )
     pack_linears(target, verify_rows(tree), force=force)
-    for head in [heads] if _is_head(heads) else [m for m in _draft_models(heads) if _is_head(m)]:
+    for head in _head_parts(heads):
         pack_linears(head, head_rows(limits, tree), force=force)
 
 
@@ -198,6 +196,11 @@ def _draft_models(source) -> list[nn.Module]:
         return []
     kind = kind_of(source)
     return kind.part("models")(source) if kind.models else []
+
+
+def _head_parts(source) -> list[nn.Module]:
+    """The heads `prepare` readies for a draft source: itself, or a composite's head parts."""
+    return [source] if _is_head(source) else [m for m in _draft_models(source) if _is_head(m)]
 
 
 def _is_head(source) -> bool:
