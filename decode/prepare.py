@@ -186,8 +186,9 @@ def pack_for_tree(
         temperature=temperature,
     )
     pack_linears(target, verify_rows(tree), force=force)
-    for head in _head_parts(heads):
-        pack_linears(head, head_rows(limits, tree), force=force)
+    for head in _head_parts(heads):  # a composite's head part is packed for the rows it drafts itself
+        own = limits if head is heads else make_drafter(head, target, 1).limits()
+        pack_linears(head, head_rows(own, tree), force=force)
 
 
 def _draft_models(source) -> list[nn.Module]:

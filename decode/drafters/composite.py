@@ -45,6 +45,8 @@ def part_models(source: Composite) -> list[nn.Module]:
 
     models = []
     for part in source.parts:
+        if isinstance(part, Drafter):  # a drafter instance: its own business, nothing for prepare to lay out
+            continue
         kind = kind_of(part)
         models += [part] if kind.head_types else (kind.part("models")(part) if kind.models else [])
     return models
@@ -61,6 +63,7 @@ class CompositeDrafter(Drafter):
         self.weights = [w / sum(weights) for w in weights]
         self.abstain = source.abstain
         self._ids: dict[tuple, Tensor | None] = {}
+        self._weights: dict[torch.device, Tensor] = {}  # self.weights on each device: uploaded once
         self.vocab_size = target.get_output_embeddings().weight.shape[0]
         self.feature_layers = tuple(dict.fromkeys(layer for p in self.parts for layer in p.feature_layers))
         # where each part's layers sit among the composite's (features are concatenated per layer)
@@ -111,24 +114,34 @@ class CompositeDrafter(Drafter):
         return out
 
     def _mixture(self, logits: list[Tensor]) -> Tensor:
-        """log of the weighted mixture of the parts' softmaxes, over the target's vocabulary. With
-        `abstain`, a part whose logits are flat at a node (n-gram lookup without a match) has no weight
-        there, and the others' weights are renormalised; a node where every part is flat keeps them all. On
-        the CPU a part with no weight at any node of the call is skipped, and where one part speaks alone its
-        log-probabilities are the result (checks that would each cost a GPU a host round trip)."""
+        """log of the weighted mixture of the parts' softmaxes, over the target's vocabulary. A part may give
+        one row for every node of a level, (B, 1, V), beside parts that give one per node (B, n, V). With
+        `abstain`, a part whose logits are flat at a node (n-gram lookup without a match, or all -inf) has no
+        weight there, and the others' weights are renormalised; a node where every part is flat keeps those
+        with finite logits. On the CPU a part with no weight at any node of the call is skipped, and where one
+        part speaks alone its log-probabilities are the result (checks that would each cost a GPU a host
+        round trip)."""
         logits = [x.float() for x in self._in_target_vocabulary(logits)]
-        weights = torch.tensor(self.weights, device=logits[0].device).expand(*logits[0].shape[:-1], -1)
-        if self.abstain:
-            speaks = torch.stack([x.amax(-1) > x.amin(-1) for x in logits], dim=-1)
-            speaks |= ~speaks.any(-1, keepdim=True)
+        device = logits[0].device
+        shape = torch.broadcast_shapes(*(x.shape[:-1] for x in logits))
+        if device not in self._weights:
+            self._weights[device] = torch.tensor(self.weights, device=device)
+        weights = self._weights[device].expand(*shape, -1)
+        if self.abstain:  # NaN logits are not flat: they speak, and the NaN shows in the result
+            top = torch.stack([x.amax(-1).expand(shape) for x in logits], dim=-1)
+            speaks = top != torch.stack([x.amin(-1).expand(shape) for x in logits], dim=-1)
+            speaks |= (top > -math.inf) & ~speaks.any(-1, keepdim=True)
             weights = weights * speaks
             weights = weights / weights.sum(-1, keepdim=True)
         used = list(range(len(self.parts)))
-        if logits[0].device.type == "cpu":
+        if device.type == "cpu":
             used = [i for i in used if bool(weights[..., i].any())]
         if len(used) == 1:  # weight 1 wherever it is used
             return torch.log_softmax(logits[used[0]], dim=-1).clamp_min_(FLOOR)
-        mixed = sum(torch.softmax(logits[i], dim=-1).mul_(weights[..., i : i + 1]) for i in used)
+        mixed = 0.0
+        for i in used:  # a part adds nothing where it has no weight, even a NaN softmax (all -inf logits)
+            weight = weights[..., i : i + 1]
+            mixed = mixed + (torch.softmax(logits[i], dim=-1) * weight).masked_fill_(weight == 0, 0.0)
         return mixed.clamp_min_(math.exp(FLOOR)).log_()
 
     def root_logits(self):

@@ -1,12 +1,14 @@
 """benchmarks/agreement.py: where a greedy output leaves plain decoding, and whether the target ties there."""
 
+import copy
+
 import torch
 
 from benchmarks.agreement import TIE_GAP, first_difference
 
 
 def test_a_difference_at_two_equal_logits_is_a_tie_and_elsewhere_is_not(build_target):
-    model = build_target("llama")
+    model = copy.deepcopy(build_target("llama"))  # shared by the session: its copy is changed below
     with torch.no_grad():  # tokens 7 and 9 get the same output row: their logits are equal everywhere
         model.get_output_embeddings().weight[9] = model.get_output_embeddings().weight[7]
     prompt = [3, 1, 4, 1, 5]

@@ -4,12 +4,15 @@ draft made of the target's first layers) and a composite (decode/drafters/compos
 plain decoding, alone and in batches; their trees are what they claim (copied continuations, a draft model's
 tree attention); sampling is in test_lossless_sampling.py."""
 
+import math
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from decode import DynamicTree, generate
 from decode.batch import left_padded
+from decode.drafter import Drafter
 from decode.drafters import make_drafter
 from decode.drafters.composite import Composite, CompositeDrafter
 from decode.drafters.eagle import EagleDrafter
@@ -17,7 +20,7 @@ from decode.drafters.model import DraftModel
 from decode.drafters.ngram import Ngram, NgramDrafter
 from decode.propose import propose
 from decode.tree import build_tree, chain
-from heads import EagleConfig, EagleHead, FeatureCapture
+from heads import EagleConfig, EagleHead, FeatureCapture, MedusaConfig, MedusaHeads
 from targets.layer_draft import layer_draft, save_layer_draft
 
 PROMPT = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(4))
@@ -158,13 +161,35 @@ def test_a_composite_gives_each_part_its_own_features_and_mixes_their_drafts(bui
     torch.testing.assert_close(composite.root_logits()[0].exp(), mixed, atol=1e-6, rtol=1e-5)
 
 
+class _SpeaksAtFirstNode(Drafter):
+    """A part with no distribution at all (-inf logits) except at the first node of each level below the
+    root, where it prefers token 7."""
+
+    def advance(self, features, tokens):
+        pass
+
+    def root_logits(self):
+        return torch.full((1, 128), -math.inf)
+
+    def expand(self, parent_rows, tokens, depth):
+        logits = torch.full((1, parent_rows.shape[1], 128), -math.inf)
+        logits[0, 0] = torch.arange(128.0) == 7
+        return logits
+
+    def select(self, rows):
+        pass
+
+
 def test_a_composite_part_without_an_opinion_leaves_the_mixture(build_target):
     """Where the n-gram part has no match (flat logits) the composite drafts exactly as its EAGLE-3 part
-    alone; where it matches, the mixture is the weighted one. With `abstain=False` the flat part is mixed in
-    everywhere, halving EAGLE-3's probabilities where lookup knows nothing."""
+    alone (a reduced draft vocabulary: scattered into the target's); where it matches, the mixture is the
+    weighted one, also when one call holds nodes of both kinds. With `abstain=False` the flat part is mixed
+    in everywhere, halving EAGLE-3's probabilities where lookup knows nothing. A part with -inf logits at a
+    node has no say there either (and no NaN comes of it)."""
     model = build_target("llama")
     torch.manual_seed(2)
-    eagle3 = EagleHead(EagleConfig.from_target(model.config, "eagle3")).eval()
+    eagle3 = EagleHead(EagleConfig.from_target(model.config, "eagle3", draft_vocab_size=64)).eval()
+    eagle3.set_draft_vocab(torch.arange(64) * 2)  # even ids: lookup's 7 and 3 lie outside
     prompt = torch.tensor([[5, 6, 7, 9, 5, 6]])
     with FeatureCapture(model, eagle3.feature_layers) as capture:
         model(prompt)
@@ -172,27 +197,68 @@ def test_a_composite_part_without_an_opinion_leaves_the_mixture(build_target):
     tokens = torch.cat([prompt[0, 1:], torch.tensor([3])])  # the text: 5 6 7 9 5 6 3, root 3
 
     def proposal(source, takes_features=True):
-        """Root, then the root's children 5 and 6, then 6 below that 5: the text ...3 5 6 ends in "5 6",
-        which lookup (2- and 3-grams) has seen followed by 7 and by 3; "6 3", "3 5" and "3 6" it has not."""
+        """Root; the root's children 5 and 6; then 6 below that 5 and 9 below that 6. The text ...3 5 6 ends
+        in "5 6", which lookup (2- and 3-grams) has seen followed by 7 and by 3; "6 3", "3 5", "3 6" and
+        "6 9" it has not. Probabilities over the target's vocabulary, per node."""
         made = make_drafter(source, model, 1)
         made.start([prompt[0]])
         made.advance([features] if takes_features else None, [tokens])
         root = made.root_logits()[0]
         level1 = made.expand(torch.tensor([[-1, -1]]), torch.tensor([[5, 6]]), 1)[0]
-        level2 = made.expand(torch.tensor([[0]]), torch.tensor([[6]]), 2)[0, 0]
-        return [torch.softmax(x.float(), -1) for x in (root, level1[0], level1[1], level2)]
+        level2 = made.expand(torch.tensor([[0, 1]]), torch.tensor([[6, 9]]), 2)[0]
+        nodes = [root, level1[0], level1[1], level2[0], level2[1]]
+        ids = made.to_target_ids(torch.arange(root.shape[-1]))
+        return [torch.zeros(128).index_copy_(0, ids, torch.softmax(x.float(), -1)) for x in nodes]
 
     alone = proposal(eagle3)
+    assert all(p[1::2].sum() == 0 for p in alone)  # EAGLE-3 alone never drafts an odd id
     lookup = proposal(Ngram(min_ngram=2), takes_features=False)
-    assert [p.max().item() == p.min().item() for p in lookup] == [True, True, True, False]
+    assert [p.max().item() == p.min().item() for p in lookup] == [True, True, True, False, True]
     assert lookup[3][7] == pytest.approx(0.5, abs=1e-6) and lookup[3][3] == pytest.approx(0.5, abs=1e-6)
     gated = proposal(Composite([eagle3, Ngram(min_ngram=2)], weights=[1, 1]))
     mixed = proposal(Composite([eagle3, Ngram(min_ngram=2)], weights=[1, 1], abstain=False))
-    for node in range(4):
+    partial = proposal(Composite([eagle3, _SpeaksAtFirstNode()], weights=[3, 1]))
+    seven = torch.softmax((torch.arange(128) == 7).float(), -1)
+    for node in range(5):
         both = 0.5 * alone[node] + 0.5 * lookup[node]
-        expected = both if node == 3 else alone[node]
-        torch.testing.assert_close(gated[node], expected, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(gated[node], both if node == 3 else alone[node], atol=1e-6, rtol=1e-5)
         torch.testing.assert_close(mixed[node], both, atol=1e-6, rtol=1e-5)
+        expected = 0.75 * alone[node] + 0.25 * seven if node in (1, 3) else alone[node]
+        torch.testing.assert_close(partial[node], expected, atol=1e-6, rtol=1e-5)
+
+
+def test_a_composite_mixes_a_part_that_scores_a_whole_level_at_once_with_one_that_scores_each_node(
+    build_target,
+):
+    """Medusa heads give one row for every node of a level, (B, 1, V); lookup one per node. The mixture
+    broadcasts the level's row to every node (each node's own weights), and greedy decoding with the two is
+    plain decoding."""
+    model = build_target("llama")
+    torch.manual_seed(3)
+    medusa = MedusaHeads(MedusaConfig(hidden_size=32, vocab_size=128, num_heads=3)).eval()
+    text = torch.tensor([[5, 6, 7, 9, 5, 6, 3, 5, 6, 7, 9, 5]])
+    made = [make_drafter(source, model, 1) for source in (Composite([medusa, Ngram(min_ngram=2)]), medusa)]
+    made.append(make_drafter(Ngram(min_ngram=2), model, 1))
+    with FeatureCapture(model, made[0].feature_layers) as capture:
+        model(text)
+        features = capture.features()[0]
+    levels = []
+    for drafter in made:
+        drafter.start([text[0]])
+        taps = [features] if drafter.feature_layers else None
+        drafter.advance(taps, [torch.cat([text[0, 1:], torch.tensor([6])])])  # root 6: "5 6" seen before
+        drafter.root_logits()
+        # below the root 6: node 7 (path "5 6 7", seen, followed by 9) and node 8 ("6 8", never seen)
+        levels.append(
+            torch.softmax(drafter.expand(torch.tensor([[-1, -1]]), torch.tensor([[7, 8]]), 1)[0], -1)
+        )
+    level, (row,), lookup = levels
+    assert level.shape == (2, 128) and lookup[0, 9] > 0.99 and lookup[1].max() == lookup[1].min()
+    torch.testing.assert_close(level[0], 0.5 * row + 0.5 * lookup[0], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(level[1], row, atol=1e-6, rtol=1e-5)
+    both = Composite([medusa, Ngram(min_ngram=2)])
+    out = generate(model, PROMPT, both, max_new_tokens=N, tree=DYNAMIC).one.sequences[0].tolist()
+    assert out == _plain(model)
 
 
 def test_every_part_of_a_composite_must_be_a_draft_source():

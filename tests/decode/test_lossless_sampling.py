@@ -224,14 +224,16 @@ def make_source(model, kind):
         draft.lm_head.weight.mul_(4.0)
     if kind == "draft_model":
         return DraftModel(draft)
+    if kind == "composite_level":  # Medusa scores a whole level at once, lookup (2-grams only) each node
+        return Composite([make_heads(model, "medusa"), Ngram(min_ngram=2, max_ngram=2)])
     return Composite([make_heads(model, "eagle3"), Ngram(max_ngram=2), DraftModel(draft)], weights=[1, 2, 1])
 
 
-@pytest.mark.parametrize("kind", ["ngram", "draft_model", "composite"])
+@pytest.mark.parametrize("kind", ["ngram", "draft_model", "composite", "composite_level"])
 def test_the_other_drafters_sample_the_target_distribution(target, kind):
-    """Prompt lookup, a separate draft model and a composite (its q a mixture of its parts', a part without
-    a match left out): the emitted tokens follow the target's distribution, with drafts taken often enough
-    for the test to mean something."""
+    """Prompt lookup, a separate draft model and composites (their q a mixture of their parts', a part
+    without a match left out, a level's one row mixed with each node's own): the emitted tokens follow the
+    target's distribution, with drafts taken often enough for the test to mean something."""
     tree = DynamicTree(depth=3, top_k=2, total_tokens=6)
     pvalue = fit_pvalue(target, make_source(target, kind), tree, seed_base=7000, min_tau=1.2)
     assert pvalue > 1e-3, f"{kind}: speculative sampling deviates from the target (chi-square p={pvalue:.2e})"

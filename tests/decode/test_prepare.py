@@ -16,7 +16,7 @@ from decode import DEFAULT_EAGLE_TREE, generate, prepare
 from decode.drafters.composite import Composite
 from decode.drafters.lm_head import DRAFT_LM_HEAD, draft_lm_head
 from decode.drafters.model import DraftModel
-from decode.drafters.ngram import Ngram
+from decode.drafters.ngram import Ngram, NgramDrafter
 from decode.fused import fused_step
 from decode.layout import (
     can_int8,
@@ -34,6 +34,7 @@ from decode.prepare import is_int8_draft, pack_for_tree, quantize_draft
 from decode.tree import DEFAULT_MEDUSA_TREE, DEFAULT_TREES, DynamicTree, verify_rows
 from heads.eagle import EagleConfig, EagleHead
 from heads.medusa import MedusaConfig, MedusaHeads
+from heads.peagle import PEagleConfig, PEagleHead
 from targets.layer_draft import layer_draft
 
 prepare_module = importlib.import_module("decode.prepare")  # `decode.prepare` is the function
@@ -104,7 +105,7 @@ def test_prepare_readies_the_heads_inside_a_composite_as_it_readies_a_head(build
     assert prepare(target, both, TREE, onednn=onednn) is both
     assert is_int8_draft(head) and list(_linears(head)) == ["fc"]
     assert not is_int8_draft(draft) and len(_linears(draft)) > 1
-    if onednn is False:
+    if onednn is False or not can_onednn():  # the default without oneDNN is MKL's layout
         assert packed_rows(head) == TREE.top_k and packed_rows(target) == verify_rows(TREE)
         assert is_pretransposed(draft)
     else:
@@ -114,6 +115,13 @@ def test_prepare_readies_the_heads_inside_a_composite_as_it_readies_a_head(build
     built = fused_step(head)  # what that decoding drafted with
     prepare(target, both, TREE, onednn=onednn)
     assert fused_step(head) is not built  # taken again from the current weights
+    # a drafter instance as a part is its own business: prepare readies the heads beside it; a block head
+    # (all depths from one forward) is packed for its own rows, not the dynamic tree's top_k per level
+    block = PEagleHead(PEagleConfig.from_target(target.config, mask_token_id=7, parallel_depths=3)).eval()
+    prepare(target, Composite([block, NgramDrafter(Ngram(), target, 1)]), TREE, onednn=onednn)
+    assert is_int8_draft(block) and list(_linears(block)) == ["fc"]
+    if onednn is False or not can_onednn():
+        assert is_pretransposed(block) and packed_rows(block) is None
 
 
 @x86
