@@ -144,7 +144,8 @@ def accept_sampling(
             q_mass = q.sum()
             children = _row(table, node)  # (m,) by rank, -1: none
             child_tokens, exists = tokens[children.clamp(min=0)], children >= 0
-            live = walking  # every earlier sibling rejected, and draft mass left to draw another
+            # every earlier sibling rejected, and draft mass left to draw another
+            live = walking & (q_mass > 0)
             tested, p_at, q_at, p_masses, q_masses = [], [], [], [], []
             for slot in range(m):
                 token = child_tokens[slot : slot + 1]
@@ -156,7 +157,10 @@ def accept_sampling(
                 q_masses.append(q_mass)
                 # rejected: p <- normalize(max(0, p_i - q_i)), i.e. P <- max(0, P - (p_mass / q_mass) Q). A
                 # slot not tested gets scale 0, which leaves P as it is (P >= 0): no select over the vocab.
-                p = torch.addcmul(p, q, (p_mass / q_mass) * testing, value=-1).clamp_(min=0.0)
+                # Selected, not multiplied: once the draft's mass is spent, q_mass is 0 and inf * 0 made P
+                # NaN, which the fallback below turned into the target's p again (rejected tokens drawn)
+                scale = torch.where(testing, p_mass / q_mass, 0.0)
+                p = torch.addcmul(p, q, scale, value=-1).clamp_(min=0.0)
                 p_mass = p.sum()
                 q.index_copy_(0, token, q_at[-1].masked_fill(testing, 0.0))
                 q_mass = q.sum()

@@ -124,6 +124,7 @@ class RowDrafters(Drafter):
         if len(limits) != 1:
             raise ValueError(f"the row drafters state different limits: {sorted(map(repr, limits))}")
         self.drafters, self.feature_layers, self._limits = list(drafters), layers.pop(), limits.pop()
+        self._vocab_checked = False
 
     def limits(self) -> DraftLimits:
         return self._limits
@@ -137,7 +138,18 @@ class RowDrafters(Drafter):
             drafter.advance(None if features is None else [features[b]], [tokens[b]])
 
     def root_logits(self):
-        return torch.cat([d.root_logits() for d in self.drafters])
+        logits = torch.cat([d.root_logits() for d in self.drafters])
+        if not self._vocab_checked:  # once: the rows' draft ids go to target ids through one map
+            ids = torch.arange(logits.shape[-1], device=logits.device)
+            maps = [d.to_target_ids(ids) for d in self.drafters]
+            other = next((b for b, m in enumerate(maps) if not torch.equal(m, maps[0])), None)
+            if other is not None:
+                raise ValueError(
+                    f"row drafters 0 and {other} map their draft vocabularies to other target ids (heads "
+                    "with different d2t maps, say): a batch drafts through one map; decode them apart"
+                )
+            self._vocab_checked = True
+        return logits
 
     def expand(self, parent_rows, tokens, depth):
         return torch.cat(

@@ -92,7 +92,8 @@ def tree_label(tree: DynamicTree | BestFirstTree | str | Sequence[Sequence[int]]
         return f"dynamic(depth={tree.depth}, top_k={tree.top_k}, total={tree.total_tokens}{bound})"
     if isinstance(tree, str):
         return f"static {tree} ({len(DEFAULT_TREES[tree])} nodes)"
-    return f"static, {len(tree)} nodes, depth {max(len(p) for p in tree)}"
+    paths = tree.paths if isinstance(tree, TreeBuffers) else tree  # (a TreeBuffers counts its root too)
+    return f"static, {len(paths)} nodes, depth {max((len(p) for p in paths), default=0)}"
 
 
 def verify_rows(tree: DynamicTree | TreeBuffers | str | Sequence[Sequence[int]]) -> int:

@@ -45,7 +45,7 @@ from engines.formats import (
 from heads.dflash import DFlashConfig, DFlashHead
 from heads.eagle import EagleConfig, EagleHead
 from heads.features import from_input_convention, to_input_convention
-from heads.io import CONFIG_NAME, check_head_matches_target, load_heads
+from heads.io import check_head_matches_target, load_heads, read_head_config
 from heads.medusa import MedusaConfig, MedusaHeads
 from heads.peagle import PEagleConfig, PEagleHead
 
@@ -57,11 +57,19 @@ def _rename(state: dict[str, Tensor], old: str, new: str) -> dict[str, Tensor]:
     return {(new + k[len(old) :] if k.startswith(old) else k): v for k, v in state.items()}
 
 
+def _fp32(tensor: Tensor) -> Tensor:
+    return tensor.float() if tensor.is_floating_point() else tensor
+
+
 def _to_format_state(
     head: Head, fmt: str, embed_weight: Tensor | None, lm_head_weight: Tensor | None
 ) -> dict:
-    """Our state dict renamed to the format's keys (plus the target tensors the format needs)."""
-    state = {k: v.detach().contiguous().clone() for k, v in head.state_dict().items()}
+    """Our state dict renamed to the format's keys (plus the target tensors the format needs), floating
+    tensors in fp32 as the configs state (`torch_dtype`): a bf16 head beside the target's fp32 embedding
+    would otherwise ship a file of two dtypes."""
+    state = {k: _fp32(v).detach().contiguous().clone() for k, v in head.state_dict().items()}
+    embed_weight = _fp32(embed_weight) if embed_weight is not None else None
+    lm_head_weight = _fp32(lm_head_weight) if lm_head_weight is not None else None
     if fmt == "sglang":
         return state
     if fmt in SPECULATORS_FORMATS:
@@ -330,9 +338,10 @@ def export_head(
         The files written.
     """
     check_format(fmt)
-    base_model = None
+    base_model, recorded = None, None
     if isinstance(head_dir_or_module, (str, Path)):
-        base_model = json.loads((Path(head_dir_or_module) / CONFIG_NAME).read_text()).get("base_model")
+        recorded = read_head_config(head_dir_or_module)  # its target's architecture and depth too
+        base_model = recorded.get("base_model")
         head = load_heads(head_dir_or_module)
     else:
         head = head_dir_or_module
@@ -363,9 +372,9 @@ def export_head(
         )
     embed, lm_head, loaded_config = _target_tensors(target)
     target_config = target_config or loaded_config
-    if target_config is not None:
+    if target_config is not None:  # a folder's config.json also records its target's type and depth
         check_head_matches_target(
-            {"head_config": head.config.to_dict()}, target_config, where=f"{head.head_type} head"
+            recorded or {"head_config": head.config.to_dict()}, target_config, where=f"{head.head_type} head"
         )
     if fmt in SPECULATORS_FORMATS and embed is None:
         raise ValueError(f"the {fmt} format ships the target's embed_tokens: pass target= (model or path)")
@@ -417,7 +426,7 @@ def _dflash_head_config(config: dict) -> DFlashConfig:
         aux_layer_ids=tuple(config["dflash_config"]["target_layer_ids"]),
         mask_token_id=config["dflash_config"]["mask_token_id"],
         num_hidden_layers=config["num_hidden_layers"],
-        block_size=config.get("block_size", 8),
+        block_size=config["block_size"],  # required by validate_export: the drafts depend on it
         target_hidden_size=config.get("target_hidden_size"),
         draft_vocab_size=config.get("draft_vocab_size"),
         rms_norm_eps=config.get("rms_norm_eps", 1e-6),
@@ -514,7 +523,10 @@ def import_head(path: str | Path, fmt: str | None = None, target=None) -> Head:
         head = EagleHead(_eagle_config(config, fmt))
         ours = _from_format_state(state, fmt)
     if target is not None:
-        check_head_matches_target({"head_config": head.config.to_dict()}, target, where=f"{fmt} head {path}")
+        recorded = {"head_config": head.config.to_dict()}
+        if isinstance(config.get("num_target_layers"), int):  # what a DFlash export records of its target
+            recorded["base_num_hidden_layers"] = config["num_target_layers"]
+        check_head_matches_target(recorded, target, where=f"{fmt} head {path}")
     head.load_state_dict(ours, strict=True)
     return head.eval()
 

@@ -34,6 +34,24 @@ _LAYER_KEYS = (
 _EAGLE3_LAYER_KEYS = (*_LAYER_KEYS, "input_layernorm.weight", "hidden_norm.weight")
 
 
+def _bad_ids(ids, low: int, high: int | None = None) -> list:
+    """The entries of a tap list that are not integers in [low, high)."""
+    return [
+        i
+        for i in ids
+        if isinstance(i, bool) or not isinstance(i, int) or i < low or (high is not None and i >= high)
+    ]
+
+
+def _count(config: dict, key: str, low: int, errors: list[str]) -> int | None:
+    """config[key] when it is an int >= low; else None and an error."""
+    value = config[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        errors.append(f"{key} must be an integer >= {low}, got {value!r}")
+        return None
+    return value
+
+
 def check_format(fmt: str) -> None:
     if fmt not in FORMATS:
         raise ValueError(f"unknown export format {fmt!r}; valid formats: {', '.join(FORMATS)}")
@@ -101,6 +119,9 @@ def _eagle_expected_shapes(
     if not ids:
         errors.append("config lacks the tap ids (eagle_aux_hidden_state_layer_ids)")
         ids = []
+    low = 1 if TAP_CONVENTION[fmt] == "input" else 0  # input-to-layer id 0 is the embeddings' output
+    if _bad_ids(ids, low):
+        errors.append(f"tap ids must be integers >= {low} ({TAP_CONVENTION[fmt]}-of-layer ids), got {ids!r}")
     if convention is not None and convention != TAP_CONVENTION[fmt]:
         errors.append(
             f"tap ids are in the {convention!r}-of-layer convention, {fmt} expects {TAP_CONVENTION[fmt]!r}"
@@ -146,8 +167,16 @@ def _dflash_expected_shapes(config: dict, errors: list[str]) -> dict[str, tuple[
     ids, mask = dflash.get("target_layer_ids"), dflash.get("mask_token_id")
     if not ids:
         errors.append("dflash_config lacks target_layer_ids (vLLM would tap the wrong layers)")
-    if not isinstance(mask, int) or isinstance(mask, bool):
-        errors.append(f"dflash_config.mask_token_id must be a token id, got {mask!r}")
+    elif _bad_ids(ids, 0, config.get("num_target_layers")):
+        layers = config.get("num_target_layers")
+        span = f"[0, {layers})" if layers is not None else ">= 0"
+        errors.append(f"dflash_config.target_layer_ids must be integer layer ids {span}, got {ids!r}")
+    vocab = config.get("vocab_size")
+    if _bad_ids([mask], 0, vocab if isinstance(vocab, int) else None):
+        errors.append(f"dflash_config.mask_token_id must be a token id in [0, {vocab}), got {mask!r}")
+    block = config.get("block_size")
+    if isinstance(block, bool) or not isinstance(block, int) or block < 2:
+        errors.append(f"block_size must be an integer >= 2 (the root and its drafts), got {block!r}")
     if (
         "eagle_aux_hidden_state_layer_ids" in config
     ):  # vLLM reads it before dflash_config, in another convention
@@ -193,10 +222,18 @@ def _medusa_expected_shapes(config: dict, fmt: str, errors: list[str]) -> dict[s
             errors.append(f"model_type must be 'medusa', got {config.get('model_type')!r}")
         if config.get("medusa_fc_bias") is not True:
             errors.append("medusa_fc_bias must be true (vLLM drops the ResBlock biases otherwise)")
+        truncated = config.get("truncated_vocab_size")
+        if truncated is not None and truncated != config.get("vocab_size"):  # vLLM then reads a token_map
+            errors.append(
+                f"truncated_vocab_size {truncated!r} must equal vocab_size: the lm_heads cover it all"
+            )
     if missing:
         errors.append(f"config lacks {missing}")
         return {}
-    k, n, h, v = config[names[0]], config[names[1]], config["hidden_size"], config["vocab_size"]
+    k, n = _count(config, names[0], 1, errors), _count(config, names[1], 0, errors)
+    if k is None or n is None:
+        return {}
+    h, v = config["hidden_size"], config["vocab_size"]
     out = {}
     for i in range(k):
         for j in range(n):
@@ -248,7 +285,7 @@ def validate_export(out_dir: str | Path, fmt: str, other_files: bool = False) ->
     unexpected = sorted(set(state) - set(expected))
     if missing:
         errors.append(f"missing tensors {missing}")
-    if unexpected and expected:
+    if unexpected and (expected or not errors):  # (a config error that left nothing expected is reported)
         errors.append(f"unexpected tensors {unexpected} (engines drop unknown keys silently)")
     for key in sorted(set(expected) & set(state)):
         if tuple(state[key].shape) != expected[key]:

@@ -22,8 +22,15 @@ from torch import Tensor, nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, rotate_half
 
-from heads.eagle import check_draft_vocab, draft_vocab_buffers, target_layer_sizes, write_draft_vocab
+from heads.eagle import (
+    check_draft_vocab,
+    check_rope_parameters,
+    draft_vocab_buffers,
+    target_layer_sizes,
+    write_draft_vocab,
+)
 from heads.features import find_decoder_layers
+from heads.typed import check_int_ids
 
 HEAD_TYPE = "dflash"
 
@@ -60,14 +67,16 @@ class DFlashConfig:
     def __post_init__(self) -> None:
         self.target_hidden_size = self.target_hidden_size or self.hidden_size
         self.draft_vocab_size = self.draft_vocab_size or self.vocab_size
-        self.aux_layer_ids = tuple(int(i) for i in self.aux_layer_ids)
+        self.aux_layer_ids = check_int_ids(self.aux_layer_ids, "aux_layer_ids")
+        check_rope_parameters(self.rope_parameters)
         if not self.aux_layer_ids:
             raise ValueError("a dflash head needs aux_layer_ids (the tapped target layers)")
         if self.block_size < 2:
             raise ValueError(f"block_size must be at least 2 (the root and one draft), got {self.block_size}")
         if self.num_hidden_layers < 1:
             raise ValueError(f"num_hidden_layers must be at least 1, got {self.num_hidden_layers}")
-        if not 0 <= self.mask_token_id < self.vocab_size:
+        whole = isinstance(self.mask_token_id, int) and not isinstance(self.mask_token_id, bool)
+        if not whole or not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(
                 f"mask_token_id {self.mask_token_id} is outside the vocabulary [0, {self.vocab_size})"
             )

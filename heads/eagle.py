@@ -22,6 +22,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from heads.features import LAST, default_eagle3_layers
+from heads.typed import check_int_ids, misspelt
 
 HEAD_TYPES = ("eagle1", "eagle3")
 
@@ -58,7 +59,8 @@ class EagleConfig:
         self.target_hidden_size = self.target_hidden_size or self.hidden_size
         self.draft_vocab_size = self.draft_vocab_size or self.vocab_size
         if self.aux_layer_ids is not None:
-            self.aux_layer_ids = tuple(int(i) for i in self.aux_layer_ids)
+            self.aux_layer_ids = check_int_ids(self.aux_layer_ids, "aux_layer_ids")
+        check_rope_parameters(self.rope_parameters)
         if self.head_type != "eagle1" and (self.aux_layer_ids is None or len(self.aux_layer_ids) == 0):
             raise ValueError(f"an {self.head_type} head needs aux_layer_ids (the tapped target layers)")
         if self.head_type == "eagle1" and self.target_hidden_size != self.hidden_size:
@@ -100,6 +102,30 @@ class EagleConfig:
         )
         config._attn_implementation = "sdpa"  # the mask is always explicit (heads build it), so sdpa is exact
         return config
+
+
+# the keys transformers' rope types read (transformers.modeling_rope_utils), for spotting a slip in one
+ROPE_KEYS = frozenset({
+    "rope_type", "rope_theta", "factor", "original_max_position_embeddings", "attention_factor", "beta_fast",
+    "beta_slow", "mscale", "mscale_all_dim", "truncate", "short_factor", "long_factor", "low_freq_factor",
+    "high_freq_factor", "partial_rotary_factor",
+})  # fmt: skip
+
+
+def check_rope_parameters(rope) -> None:
+    """A head's rope parameters must name their type and theta: transformers fills a missing rope_theta with
+    10000 and only logs a slip such as `rope_thetaa`, so a head for a target with another theta would
+    draft with the wrong positions and no error."""
+    keys = list(rope) if isinstance(rope, dict) else None
+    for key in keys or ():
+        slip = misspelt(key, ROPE_KEYS)
+        if slip is not None:
+            raise ValueError(f"rope_parameters has {key!r}: a slip of {slip!r}? ({rope!r})")
+    theta = rope.get("rope_theta") if keys is not None else None
+    if keys is None or not isinstance(rope.get("rope_type"), str) or isinstance(theta, bool):
+        raise ValueError(f"rope_parameters needs a rope_type (a string) and a rope_theta, got {rope!r}")
+    if not (isinstance(theta, (int, float)) and theta > 0):
+        raise ValueError(f"rope_parameters needs a positive rope_theta, got {rope!r}")
 
 
 def target_layer_sizes(text) -> dict:
@@ -255,10 +281,18 @@ def draft_vocab_buffers(head: nn.Module, draft_vocab_size: int, vocab_size: int)
 
 
 @torch.no_grad()
+def _token_ids(ids) -> Tensor:
+    """Token ids as int64; floating ids (2.7) are refused, not cut to 2."""
+    tensor = torch.as_tensor(ids)
+    if tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool:
+        raise ValueError(f"draft vocabulary ids must be integers, got a {tensor.dtype} tensor")
+    return tensor.long()
+
+
 def write_draft_vocab(head: nn.Module, target_ids: Tensor) -> None:
     """Set `head`'s d2t / t2d to the Vd distinct target ids `target_ids` (validated in the order given, so an
     error names positions in it)."""
-    target_ids = torch.as_tensor(target_ids, dtype=torch.long).flatten()
+    target_ids = _token_ids(target_ids).flatten()
     vd = head.config.draft_vocab_size
     given = target_ids - torch.arange(target_ids.numel(), device=target_ids.device)
     check_draft_vocab(given, head.config.vocab_size, vd, "set_draft_vocab(target_ids)")
@@ -401,7 +435,7 @@ def with_draft_vocab(head: EagleHead, target_ids: Tensor, target_lm_weight: Tens
         raise ValueError(
             f"this {head.head_type} head drafts over the target's vocabulary: it has none to redraw"
         )
-    target_ids = torch.as_tensor(target_ids, dtype=torch.long).flatten().to(head.d2t.device)
+    target_ids = _token_ids(target_ids).flatten().to(head.d2t.device)
     vocab = head.config.vocab_size
     expected = (vocab, head.config.hidden_size)
     if tuple(target_lm_weight.shape) != expected:

@@ -19,9 +19,14 @@ from heads.eagle import EagleHead
 from heads.files import atomic_write, write_json
 from heads.medusa import MedusaHeads
 from heads.registry import kind_for_head_type
-from heads.typed import ConfigError, build_dataclass
+from heads.typed import ConfigError, build_dataclass, misspelt
 
 FORMAT_VERSION = 1
+# the top-level config.json keys that saving writes and loading reads (the others are notes)
+READ_KEYS = frozenset({
+    "head_type", "format_version", "base_model", "base_revision", "hidden_size", "vocab_size", "head_config",
+    "base_model_type", "base_num_hidden_layers",
+})  # fmt: skip
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 Head = MedusaHeads | EagleHead
@@ -124,13 +129,24 @@ def read_head_config(path: str | Path) -> dict:
     except json.JSONDecodeError as err:
         raise ValueError(f"{file}: not valid JSON ({err})") from err
     for key in ("head_type", "format_version", "head_config"):
-        if key not in config:
+        if not isinstance(config, dict) or key not in config:
             raise ValueError(f"{file}: missing key {key!r}")
-    if config["format_version"] > FORMAT_VERSION:
+    version = config["format_version"]
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise ValueError(f"{file}: format_version must be an integer >= 1, got {version!r}")
+    if version > FORMAT_VERSION:
         raise ValueError(
-            f"{file}: format_version {config['format_version']} is newer than this selfspec "
-            f"reads ({FORMAT_VERSION})"
+            f"{file}: format_version {version} is newer than this selfspec reads ({FORMAT_VERSION})"
         )
+    for key in config:  # other keys are free-form notes (`save_heads(extra=)`); a slip of a read one is not
+        slip = misspelt(key, READ_KEYS)
+        if slip is not None:
+            raise ValueError(f"{file}: key {key!r} looks like a slip of {slip!r}, which loading reads")
+    head = config["head_config"]
+    for key in ("hidden_size", "vocab_size"):  # the top-level copies must agree with the head's own
+        theirs = head.get(key) if isinstance(head, dict) else None  # (a wrong type there: build_head says)
+        if key in config and type(theirs) is int and config[key] != theirs:
+            raise ValueError(f"{file}: {key} is {config[key]!r} but head_config.{key} is {theirs!r}")
     return config
 
 
@@ -183,7 +199,7 @@ def load_heads(
         target: the target model (or its config) the head will draft for; checked when given. A model also
             sets the defaults of `dtype` and `device`: the head follows the target's.
         dtype: cast the floating-point weights (the d2t/t2d maps keep their dtypes); None = the target
-            model's dtype, else as saved.
+            model's dtype, else fp32 (a head saved in bf16 is upcast: heads train and export in fp32).
         device: where to put the head; None = the target model's device, else the CPU.
     Returns:
         The head, in eval mode.
@@ -218,6 +234,8 @@ def _load_state_strict(head: nn.Module, state: dict, source: Path) -> None:
             f"{source}: keys do not match a {head.head_type} head: missing {missing}, unexpected {unexpected}"
         )
     for key, tensor in state.items():  # d2t's size is checked below, against the config's draft_vocab_size
+        if expected[key].is_floating_point() and not tensor.is_floating_point():  # load_state_dict would cast
+            raise ValueError(f"{source}: {key} holds {tensor.dtype} values, expected floating-point weights")
         if key != "d2t" and tensor.shape != expected[key].shape:
             raise ValueError(
                 f"{source}: {key} has shape {tuple(tensor.shape)}, expected {tuple(expected[key].shape)}"

@@ -10,6 +10,8 @@ as it is by `train/eagle.py` or `train/medusa.py`) and `CARD.md`.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -25,6 +27,7 @@ MAX_MB = 25.0  # a shipped head's weights file, at most
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 CARD = "CARD.md"
 TRAIN_CONFIG = "train_config.yaml"
+OWN_FILES = {CARD, TRAIN_CONFIG, "config.json", "model.safetensors"}  # what no shipped extra may be named
 # a head type -> the bench.json method names that decode with it (benchmarks.benchmark.build_methods)
 METHODS = {
     "eagle3": ("EAGLE-3",),
@@ -84,7 +87,12 @@ def _card(
         f"- Head: `{json.dumps(head, sort_keys=True)}`",
         f"- Data: {files} (max_length {data.get('max_length', '?')}).",
         f"- Steps: {config.get('train_step', '?')} optimizer steps in the last stage, {batch}, {schedule}.",
-        f"- Trained by: `{command}`; the last stage's config is `{TRAIN_CONFIG}` beside this card.",
+        f"- Trained by: `{command}`; "
+        + (
+            f"the last stage's config is `{TRAIN_CONFIG}` beside this card."
+            if training
+            else "no recipe config recorded."
+        ),
     ]
     if config.get("eval_tau") is not None:
         lines.append(f"- Simulated tau recorded by the run on its held-out slice: {config['eval_tau']:.2f}.")
@@ -112,6 +120,18 @@ def _card(
     if notes:
         lines += ["", "## Notes", "", notes.strip()]
     return "\n".join(lines) + "\n"
+
+
+def _swap_in(staging: Path, dest: Path) -> None:
+    """Replace the folder `dest` (if any) by `staging`: the old one is moved aside first and removed last."""
+    old = dest.with_name(f".{dest.name}.old")
+    if old.exists():
+        shutil.rmtree(old)
+    if dest.exists():
+        os.replace(dest, old)
+    os.replace(staging, dest)
+    if old.exists():
+        shutil.rmtree(old)
 
 
 def ship_head(
@@ -149,32 +169,57 @@ def ship_head(
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     for path in map(Path, files):
-        if path.name in {CARD, TRAIN_CONFIG, "config.json", "model.safetensors"}:
+        if path.name in OWN_FILES:
             raise ValueError(f"{path}: a shipped folder's own file has that name")
         if not path.is_file():
             raise FileNotFoundError(f"{path}: no such file to ship beside the head")
     config = read_head_config(src)
     licence = dict(licence or {})
+    for file_name in licence:
+        if Path(file_name).name != file_name or file_name in OWN_FILES:
+            raise ValueError(
+                f"licence file {file_name!r}: a plain file name other than the folder's own files"
+            )
     head = load_heads(src, dtype=DTYPES[dtype])
     dest = pretrained_dir(config["base_model"], name, root)
-    extra = {k: v for k, v in config.items() if k not in STANDARD_KEYS and k != "head_config"}
-    save_heads(
-        head, dest, base_model=config["base_model"], base_revision=config.get("base_revision"), extra=extra
-    )
-    mb = (dest / "model.safetensors").stat().st_size / 2**20
-    if mb > max_mb:
-        for path in dest.iterdir():
-            path.unlink()
-        dest.rmdir()
-        raise ValueError(f"{src}: {mb:.1f} MiB in {dtype}, over the {max_mb:g} MiB a shipped head may take")
-    for path in files:
-        (dest / Path(path).name).write_bytes(Path(path).read_bytes())
-    for file_name, content in licence.items():
-        (dest / file_name).write_bytes(content)
-    if config.get("training"):
-        write_text(dest / TRAIN_CONFIG, yaml.safe_dump(config["training"], sort_keys=False))
-    if licence:
-        terms = ", ".join(f"`{file_name}`" for file_name in sorted(licence))
-        notes = f"Licence: the target's terms apply to this head; {terms} beside this card.\n\n{notes or ''}"
-    write_text(dest / CARD, _card(name, dest, read_head_config(dest), dtype, command, bench, notes))
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    # built in a staging folder and swapped in whole: a head already shipped under `name` stays as it was
+    # when this one is refused (too large), and none of its files is left beside the new one's
+    staging = dest.with_name(f".{name}.staging-{os.getpid()}")  # made as any folder (not mkdtemp's 0700)
+    if staging.exists():
+        shutil.rmtree(staging)
+    staging.mkdir()
+    try:
+        extra = {k: v for k, v in config.items() if k not in STANDARD_KEYS and k != "head_config"}
+        save_heads(
+            head,
+            staging,
+            base_model=config["base_model"],
+            base_revision=config.get("base_revision"),
+            extra=extra,
+        )
+        mb = (staging / "model.safetensors").stat().st_size / 2**20
+        if mb > max_mb:
+            raise ValueError(
+                f"{src}: {mb:.1f} MiB in {dtype}, over the {max_mb:g} MiB a shipped head may take "
+                f"(nothing was written to {dest})"
+            )
+        for path in files:
+            (staging / Path(path).name).write_bytes(Path(path).read_bytes())
+        for file_name, content in licence.items():
+            (staging / file_name).write_bytes(content)
+        if config.get("training"):
+            write_text(staging / TRAIN_CONFIG, yaml.safe_dump(config["training"], sort_keys=False))
+        if licence:
+            terms = ", ".join(f"`{file_name}`" for file_name in sorted(licence))
+            notes = (
+                f"Licence: the target's terms apply to this head; {terms} beside this card.\n\n{notes or ''}"
+            )
+        write_text(
+            staging / CARD, _card(name, staging, read_head_config(staging), dtype, command, bench, notes)
+        )
+        _swap_in(staging, dest)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)
     return dest

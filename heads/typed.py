@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
+import numbers
 import types
 from collections.abc import Callable
 from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
@@ -16,6 +18,27 @@ T = TypeVar("T")
 
 class ConfigError(ValueError):
     """A config that cannot be loaded: unknown key, wrong type, bad choice or missing required key."""
+
+
+def misspelt(key: str, known) -> str | None:
+    """The known key that `key` (not itself known) looks like a slip of (`base_num_hidden_layer` for
+    `base_num_hidden_layers`), or None. For mappings that take free-form keys beside the ones read: a slip
+    there is not unknown, it is a key read as absent."""
+    if key in known:
+        return None
+    close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.85)
+    return close[0] if close else None
+
+
+def check_int_ids(ids, name: str, low: int = 0) -> tuple[int, ...]:
+    """`ids` as a tuple of ints, each >= `low`; floats (1.5, 2.0), bools and strings are refused, not cut."""
+    out = []
+    for i in ids:
+        whole = isinstance(i, numbers.Integral) and not isinstance(i, bool)
+        if not whole or i < low:
+            raise ValueError(f"{name} must hold integer ids >= {low}, got {i!r} in {list(ids)!r}")
+        out.append(int(i))
+    return tuple(out)
 
 
 def build_dataclass(

@@ -215,3 +215,21 @@ def test_a_min_prob_bound_in_batched_decoding_is_lossless_and_sizes_row_by_row_d
     assert len(set(per_step)) > 1 and max(per_step) <= 13
     assert rowwise.replies == out.replies and rowwise.steps == out.steps
     assert all(len(step) == 1 for step in sizes) and [step.pop() for step in sizes] == per_step
+
+
+def test_row_drafters_with_different_draft_vocabularies_are_refused(build_target):
+    """A batch maps every row's draft ids through one map (row 0's): two EAGLE-3 heads with different d2t
+    maps in one list would draft the second row's tokens through the first row's vocabulary. One map is
+    fine (the same head twice)."""
+    model = build_target("llama")
+    first, second = _head(model, "eagle3"), _head(model, "eagle3")
+    second.set_draft_vocab(
+        torch.randperm(model.config.vocab_size, generator=torch.Generator().manual_seed(9))[:64]
+    )
+    prompts = [torch.tensor([5, 6, 7]), torch.tensor([8, 9, 10])]
+    ids = torch.stack(prompts)
+    with pytest.raises(
+        ValueError, match="row drafters 0 and 1 map their draft vocabularies to other target ids"
+    ):
+        generate(model, ids, [first, second], max_new_tokens=4, eos_token_id=[], tree=TREES[0])
+    generate(model, ids, [first, first], max_new_tokens=4, eos_token_id=[], tree=TREES[0])

@@ -120,7 +120,7 @@ def test_dynamic_tree_rejects_zero(field):
         DynamicTree(**{field: 0})
     with pytest.raises(ValueError, match=f"DynamicTree.{field} must be >= 1, got -2"):
         DynamicTree(**{field: -2})
-    assert DynamicTree(**{field: 1}) is not None
+    assert getattr(DynamicTree(**{field: 1}), field) == 1  # the least value is taken as given
 
 
 @pytest.mark.parametrize("min_prob", [-0.1, 1.0, 2.0])
@@ -196,3 +196,9 @@ def test_resolve_tree_takes_every_form_and_checks_the_drafter_depth():
         resolve_tree("tree99", max_depth=None, dynamic=True)
     with pytest.raises(TypeError, match="got int"):
         resolve_tree(7, max_depth=None, dynamic=True)
+
+
+def test_tree_label_reads_built_trees_and_empty_ones():
+    paths = [(0,), (1,), (0, 0)]
+    assert tree_label(build_tree(paths)) == tree_label(paths) == "static, 3 nodes, depth 2"
+    assert tree_label([]) == "static, 0 nodes, depth 0"  # no draft: was max() of an empty sequence

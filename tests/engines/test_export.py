@@ -2,6 +2,7 @@
 refuse."""
 
 import json
+import re
 import runpy
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from decode.generate import generate
 from engines.export import FILES, FORMATS, export_head, import_head, validate_export
 from heads.dflash import DFlashConfig, DFlashHead
 from heads.eagle import EagleConfig, EagleHead
+from heads.features import from_input_convention
 from heads.io import save_heads
 from heads.medusa import MedusaConfig, MedusaHeads
 from heads.peagle import PEagleConfig, PEagleHead
@@ -329,6 +331,82 @@ def test_head_for_another_target_is_refused(tmp_path, llama, build_target):
         export_head(make_head("eagle1", llama), "eagle1", tmp_path / "out", target_config=other.config)
 
 
+def test_a_head_folder_for_another_depth_is_refused_at_export(tmp_path, llama, build_target):
+    """A folder's config.json records its target's depth: exporting it against a deeper target of the same
+    width would ship that target's embedding beside taps chosen for the other depth."""
+    deeper = build_target("llama", num_hidden_layers=6)
+    for kind, fmt in (("eagle3", "speculators"), ("eagle1", "eagle1")):
+        save_heads(make_head(kind, llama), tmp_path / kind, base_model="org/tiny-llama", target=llama)
+        with pytest.raises(ValueError, match="num_hidden_layers=4, but this target has num_hidden_layers=6"):
+            export_head(tmp_path / kind, fmt, tmp_path / f"out-{kind}", target=deeper)
+    export_head(tmp_path / "eagle1", "eagle1", tmp_path / "out-same", target=llama)  # its own target: fine
+
+
+def test_dflash_validator_range_checks_its_ids_and_needs_the_block_size(tmp_path, llama, build_target):
+    export_head(make_head("dflash", llama), "dflash", tmp_path / "out", target=llama)
+    good = json.loads((tmp_path / "out" / "config.json").read_text())
+    for edit, problem in (
+        ({"mask_token_id": 10**6}, "mask_token_id must be a token id in [0, 128), got 1000000"),
+        ({"mask_token_id": -1}, "mask_token_id must be a token id in [0, 128), got -1"),
+        ({"target_layer_ids": [-3, 9]}, "target_layer_ids must be integer layer ids [0, 4), got [-3, 9]"),
+        ({"target_layer_ids": [1.5, 2]}, "target_layer_ids must be integer layer ids [0, 4), got [1.5, 2]"),
+        ({"block_size": None}, "block_size must be an integer >= 2 (the root and its drafts), got None"),
+    ):
+        config = json.loads(json.dumps(good))
+        if "block_size" in edit:
+            del config["block_size"]  # our import read it as 8, whatever the block trained
+        else:
+            config["dflash_config"].update(edit)
+        (tmp_path / "out" / "config.json").write_text(json.dumps(config))
+        for check in (
+            lambda: validate_export(tmp_path / "out", "dflash"),
+            lambda: import_head(tmp_path / "out"),
+        ):
+            with pytest.raises(ValueError) as raised:
+                check()
+            assert problem in str(raised.value)
+    (tmp_path / "out" / "config.json").write_text(json.dumps(good))
+    deeper = build_target("llama", num_hidden_layers=6)  # the depth it records (num_target_layers) is checked
+    with pytest.raises(ValueError, match="num_hidden_layers=4, but this target has num_hidden_layers=6"):
+        import_head(tmp_path / "out", target=deeper)
+
+
+def test_input_convention_tap_id_0_is_refused_not_read_as_the_last_layer(tmp_path, llama):
+    """Input-to-layer id 0 is the embeddings' output; id - 1 = -1 was our LAST (the final normed state)."""
+    export_head(make_head("eagle3", llama), "speculators", tmp_path / "out", target=llama)
+    _edit_config(tmp_path / "out", lambda c: c.update(eagle_aux_hidden_state_layer_ids=[0, 2, 3]))
+    for check in (
+        lambda: validate_export(tmp_path / "out", "speculators"),
+        lambda: import_head(tmp_path / "out"),
+    ):
+        with pytest.raises(ValueError, match=re.escape("tap ids must be integers >= 1 (input-of-layer ids)")):
+            check()
+    with pytest.raises(ValueError, match="id 0 is the embeddings' output"):
+        from_input_convention([0, 2, 3])
+
+
+def test_medusa_vllm_validator_needs_heads_and_the_full_vocabulary(tmp_path, llama):
+    export_head(make_head("medusa", llama), "medusa-vllm", tmp_path / "out")
+    good = json.loads((tmp_path / "out" / "config.json").read_text())
+    for edit, problem in (
+        ({"num_heads": 0}, "num_heads must be an integer >= 1, got 0"),  # the 3 stored heads were not listed
+        ({"num_heads": 2.0}, "num_heads must be an integer >= 1, got 2.0"),
+        ({"truncated_vocab_size": 50}, "truncated_vocab_size 50 must equal vocab_size"),
+    ):
+        (tmp_path / "out" / "config.json").write_text(json.dumps({**good, **edit}))
+        with pytest.raises(ValueError, match=re.escape(problem)):
+            validate_export(tmp_path / "out", "medusa-vllm")
+
+
+def test_a_bf16_head_exports_one_dtype_as_its_config_states(tmp_path, llama):
+    head = make_head("eagle3", llama).to(torch.bfloat16)
+    export_head(head, "speculators", tmp_path / "out", target=llama)
+    state = load_file(tmp_path / "out" / "model.safetensors")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["transformer_layer_config"]["torch_dtype"] == "float32"
+    assert {t.dtype for t in state.values() if t.is_floating_point()} == {torch.float32}
+
+
 def test_failed_validation_leaves_nothing(tmp_path, llama, monkeypatch):
     import engines.export
 
@@ -402,7 +480,7 @@ def test_dflash_export_is_what_vllms_dflash_reads_and_its_validator_lists_each_p
     for problem in (
         "eagle_aux_hidden_state_layer_ids must not be set",
         "lacks rope_theta",
-        "mask_token_id must be a token id, got '7'",
+        "mask_token_id must be a token id in [0, 128), got '7'",
         "missing tensors ['layers.0.self_attn.q_norm.weight']",
     ):
         assert problem in message, message

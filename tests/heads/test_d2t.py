@@ -3,6 +3,7 @@ or out-of-range map would load into a head that samples from the wrong distribut
 
 import re
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -149,3 +150,16 @@ def test_a_dflash_head_with_its_own_vocabulary_is_checked_alike(tmp_path, llama,
     _edit(folder, edit)
     with _raises(folder, message):
         load_heads(folder, llama)
+
+
+def test_token_ids_and_tap_ids_must_be_integers_not_cut(llama, head):
+    """Floats were cut by `torch.as_tensor(..., dtype=long)` or `int()`: 2.7 drafted as 2, tap 1.5 as 1."""
+    ids = torch.randperm(llama.config.vocab_size)[:64].float() + 0.7
+    with pytest.raises(ValueError, match="draft vocabulary ids must be integers, got a torch.float32 tensor"):
+        head.set_draft_vocab(ids)
+    with pytest.raises(ValueError, match=re.escape("aux_layer_ids must hold integer ids >= 0, got 1.5")):
+        EagleConfig.from_target(llama.config, "eagle3", aux_layer_ids=[1.5, 2, 3])
+    with pytest.raises(ValueError, match=re.escape("aux_layer_ids must hold integer ids >= 0, got -1")):
+        DFlashConfig.from_target(llama.config, 7, aux_layer_ids=(-1, 2))
+    config = EagleConfig.from_target(llama.config, "eagle3", aux_layer_ids=[np.int64(1), 2, 3])
+    assert config.aux_layer_ids == (1, 2, 3) and all(type(i) is int for i in config.aux_layer_ids)

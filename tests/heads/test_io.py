@@ -205,6 +205,60 @@ def test_bad_config_files_are_named(tmp_path, llama):
         load_heads(path)
 
 
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        ({"format_version": "1"}, "format_version must be an integer >= 1, got '1'"),
+        ({"format_version": True}, "format_version must be an integer >= 1, got True"),
+        ({"format_version": 0}, "format_version must be an integer >= 1, got 0"),
+        # a slip of a key loading reads is not a free-form note: the depth check would be skipped
+        (
+            {"base_num_hidden_layer": 6},
+            "'base_num_hidden_layer' looks like a slip of 'base_num_hidden_layers'",
+        ),
+        ({"vocab_size": 999}, "vocab_size is 999 but head_config.vocab_size is 128"),
+    ],
+)
+def test_top_level_config_keys_are_checked_where_loading_reads_them(tmp_path, llama, edit, message):
+    _, path = _export(tmp_path, "eagle1", llama)
+    config_file = path / CONFIG_NAME
+    config = json.loads(config_file.read_text())
+    if "base_num_hidden_layer" in edit:
+        del config["base_num_hidden_layers"]
+    config_file.write_text(json.dumps({**config, **edit}))
+    with pytest.raises(ValueError, match=re.escape(str(config_file)) + ".*" + re.escape(message)):
+        load_heads(path, llama)
+    config_file.write_text(json.dumps({**config, "my_run_notes": "kept"}))  # other keys stay free-form notes
+    load_heads(path, llama)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_a_slip_in_the_rope_parameters_is_refused(tmp_path, llama, kind):
+    """transformers only logs an unknown rope key and fills rope_theta with 10000: a head for a target with
+    another theta would draft with other positions, silently."""
+    _, path = _export(tmp_path, kind, llama)
+    config_file = path / CONFIG_NAME
+    config = json.loads(config_file.read_text())
+    for rope, message in (
+        ({"rope_type": "default", "rope_thetaa": 5e5}, "'rope_thetaa': a slip of 'rope_theta'"),
+        ({"rope_type": "default"}, "needs a positive rope_theta, got {'rope_type': 'default'}"),
+        ({"rope_theta": 1e4}, "needs a rope_type \\(a string\\) and a rope_theta"),
+        ({"rope_type": "default", "rope_theta": -1.0}, "needs a positive rope_theta"),
+    ):
+        config["head_config"]["rope_parameters"] = rope
+        config_file.write_text(json.dumps(config))
+        with pytest.raises(ValueError, match=message):
+            load_heads(path)
+
+
+def test_integer_tensors_for_float_weights_are_refused(tmp_path, llama):
+    """load_state_dict would cast an int32 fc.weight into the float parameter without a word."""
+    _, path = _export(tmp_path, "eagle3", llama)
+    _rewrite_weights(path, lambda state: state.update({"fc.weight": state["fc.weight"].to(torch.int32)}))
+    with pytest.raises(ValueError, match="fc.weight holds torch.int32 values, expected floating-point"):
+        load_heads(path, llama)
+
+
 def _edited(config: dict, kind: str, edit: str) -> dict:
     """`config` with one field of its head_config broken as `edit` says."""
     head = dict(config["head_config"])
@@ -259,5 +313,11 @@ def test_head_follows_the_target_dtype_and_device_unless_told(tmp_path, llama, k
     }
     meta = load_heads(path, bf16_target, device="meta")  # an explicit device wins over the target's
     assert {p.device.type for p in meta.parameters()} == {"meta"}
-    saved = load_heads(path, bf16_target.config)  # a bare config carries no device or dtype: as saved, CPU
+    # a bare config carries no device or dtype: fp32 on the CPU, also for weights saved in bf16 (heads train
+    # and export in fp32)
+    _rewrite_weights(
+        path, lambda state: state.update({k: v.bfloat16() for k, v in state.items() if v.is_floating_point()})
+    )
+    saved = load_heads(path, bf16_target.config)
     assert {p.dtype for p in saved.parameters() if p.is_floating_point()} == {torch.float32}
+    assert {p.device.type for p in saved.parameters()} == {"cpu"}

@@ -141,6 +141,28 @@ def test_shipping_refuses_a_head_over_the_size_limit_and_an_unknown_dtype(tmp_pa
     assert not pretrained_dir(TARGET, "eagle3", tmp_path / "pre").exists()
 
 
+def test_shipping_again_replaces_the_whole_folder_and_a_refused_one_keeps_the_last(tmp_path, trained):
+    """A re-ship leaves none of the last head's files (its recipe config beside another head's weights, named
+    by the card), and a re-ship refused as too large leaves the shipped head as it was."""
+    target, head, src = trained
+    (tmp_path / "NOTES.txt").write_text("first run")
+    dest = ship_head(src, "eagle3", command="a", root=tmp_path / "pre", files=[tmp_path / "NOTES.txt"])
+    assert {TRAIN_CONFIG, "NOTES.txt"} <= {p.name for p in dest.iterdir()}
+    second = save_heads(head, tmp_path / "second", base_model=TARGET, target=target, extra={"train_step": 5})
+    assert ship_head(second, "eagle3", command="b", root=tmp_path / "pre") == dest
+    assert sorted(p.name for p in dest.iterdir()) == ["CARD.md", "config.json", "model.safetensors"]
+    assert "`b`; no recipe config recorded." in (dest / "CARD.md").read_text()
+    shipped = {p.name: p.read_bytes() for p in dest.iterdir()}
+    with pytest.raises(ValueError, match=r"over the 0.001 MiB a shipped head may take \(nothing was written"):
+        ship_head(src, "eagle3", command="c", root=tmp_path / "pre", max_mb=0.001)
+    assert {p.name: p.read_bytes() for p in dest.iterdir()} == shipped
+    assert sorted(p.name for p in dest.parent.iterdir()) == ["eagle3"]  # no staging folder left behind
+    for name in ("../NOTICE", "config.json"):
+        with pytest.raises(ValueError, match="a plain file name other than the folder's own files"):
+            ship_head(src, "eagle3", command="d", root=tmp_path / "pre", licence={name: b"terms"})
+    assert {p.name: p.read_bytes() for p in dest.iterdir()} == shipped
+
+
 def test_ship_script_adds_the_files_the_targets_licence_asks_for(tmp_path, trained, monkeypatch):
     """What the head's target asks a derivative to carry (`targets.licence.licence_files`: Gemma's terms and
     notice, tested in tests/targets/test_gemma3.py) and any --file land beside the head, named on the card."""
