@@ -28,6 +28,13 @@ from torch import Tensor
 from decode.tree import DraftTree
 
 
+def tempered(logits: Tensor, temperature: float) -> Tensor:
+    """fp32 (logits - max) / T: the same softmax as logits / T, but a tiny T (1e-40) no longer overflows to
+    inf - inf = NaN, which sampled token 0 forever; it tends to greedy, as it should."""
+    logits = logits.float()
+    return (logits - logits.amax(-1, keepdim=True)) / temperature
+
+
 def target_probs(logits: Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0) -> Tensor:
     """The distribution plain sampling draws from: softmax(logits / T), then top-k and top-p filtering.
 
@@ -39,7 +46,7 @@ def target_probs(logits: Tensor, temperature: float, top_p: float = 1.0, top_k: 
     Returns:
         (..., V) fp32 probabilities.
     """
-    probs = torch.softmax(logits.float() / temperature, dim=-1)  # fp32: bf16 ties flip rankings
+    probs = torch.softmax(tempered(logits, temperature), dim=-1)  # fp32: bf16 ties flip rankings
     if top_k and top_k < probs.shape[-1]:
         kth = torch.topk(probs, top_k, dim=-1).values[..., -1:]
         probs = torch.where(probs < kth, torch.zeros_like(probs), probs)
@@ -47,6 +54,7 @@ def target_probs(logits: Tensor, temperature: float, top_p: float = 1.0, top_k: 
         sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
         mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
         drop_sorted = mass_before >= top_p * sorted_probs.sum(-1, keepdim=True)
+        drop_sorted[..., 0] = False  # the likeliest token always stays (a top_p that rounds to 0 dropped all)
         probs = probs.masked_fill(torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted), 0.0)
     return probs / probs.sum(-1, keepdim=True)
 

@@ -30,6 +30,7 @@ from decode.layout import (
     pretranspose_linears,
     steps_over,
     transpose_min_rows,
+    value_sample,
 )
 from heads.eagle import DraftCache, EagleHead, causal_mask
 
@@ -178,6 +179,18 @@ def _fingerprint(head: EagleHead) -> tuple:
     )
 
 
+def forget_changed_fused_step(head: nn.Module) -> bool:
+    """Drop the head's `FusedEagleStep` when a parameter's values changed without a version bump since it was
+    built (`decode.layout.drop_changed` for the layers' copies); True when it was dropped."""
+    cached = head.__dict__.get(_CACHE)
+    if cached is None or all(
+        torch.equal(value_sample(p, clone=False), s) for p, s in zip(head.parameters(), cached[2])
+    ):
+        return False
+    head.__dict__.pop(_CACHE)
+    return True
+
+
 def forget_fused_step(head: nn.Module) -> None:
     """Drop the head's `FusedEagleStep` (built again at its next use): after writes through `weight.data`,
     which no fingerprint sees."""
@@ -189,6 +202,6 @@ def fused_step(head: EagleHead) -> FusedEagleStep:
     key = _fingerprint(head)
     cached = head.__dict__.get(_CACHE)
     if cached is None or cached[0] != key:
-        cached = (key, FusedEagleStep(head))
+        cached = (key, FusedEagleStep(head), [value_sample(p) for p in head.parameters()])
         object.__setattr__(head, _CACHE, cached)  # not a submodule: stays out of state_dict() and .to()
     return cached[1]

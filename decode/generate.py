@@ -22,6 +22,7 @@ from decode.drafters import make_drafter
 from decode.drafters.lm_head import float_dtype
 from decode.inputs import check_request
 from decode.policy import as_policy
+from decode.prepare import drop_changed_copies
 from decode.propose import propose
 from decode.recurrent import HYBRID_CHAIN, check_chain, record, settle
 from decode.timing import synchronize
@@ -247,6 +248,7 @@ def generate(
         top_k=top_k,
         eos_token_id=eos_token_id,
         seed=seed,
+        pad_token_id=pad_token_id,
     )
     input_ids, max_new_tokens, temperature = request.input_ids, request.max_new_tokens, request.temperature
     top_p, top_k, eos, attention_mask = request.top_p, request.top_k, request.eos, request.attention_mask
@@ -256,6 +258,7 @@ def generate(
         raise ValueError("typical acceptance applies to sampling (temperature > 0); greedy is exact already")
     if heads is not None:
         _check_heads(heads, model)  # before any work with them
+    drop_changed_copies(model, heads)  # weight copies whose weights were rewritten unseen (decode.layout)
     batch = input_ids.shape[0]
     drafter = make_drafter(heads, model, batch) if heads is not None else None
     policy = as_policy(tree)

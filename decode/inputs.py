@@ -50,6 +50,7 @@ def check_request(
     top_k=0,
     eos_token_id=None,
     seed=None,
+    pad_token_id=0,
 ) -> Request:
     """Check and normalise the arguments of a decoding call (see the module docstring).
 
@@ -57,7 +58,7 @@ def check_request(
         model: the target (its input embedding gives the vocabulary ids must fall in).
         input_ids: (T,) or (B, T) integer token ids.
         attention_mask: None, or (B, T) with 1 on tokens, left-padded.
-        max_new_tokens, temperature, top_p, top_k, eos_token_id, seed: as `decode.generate`.
+        max_new_tokens, temperature, top_p, top_k, eos_token_id, seed, pad_token_id: as `decode.generate`.
     Returns:
         the Request (ids as (B, T) int64, on their own device).
     Raises:
@@ -68,6 +69,12 @@ def check_request(
     windows = attention_windows(model)  # a target the loop cannot serve is refused first
     vocab = _vocab_size(model)
     ids = _ids(input_ids, vocab)
+    if (
+        isinstance(attention_mask, Tensor)
+        and attention_mask.dim() == 1
+        and getattr(input_ids, "ndim", 0) == 1
+    ):
+        attention_mask = attention_mask[None]  # one prompt's mask, as its ids: (T,) -> (1, T)
     mask = None if attention_mask is None else check_attention_mask(attention_mask, tuple(ids.shape))
     eos = stop_tokens(model, eos_token_id)
     if eos_token_id is not None and eos and all(not 0 <= e < vocab for e in eos):
@@ -76,8 +83,9 @@ def check_request(
             f"eos_token_id {sorted(eos)} lies outside the target's vocabulary [0, {vocab}): no token "
             "can stop the reply"
         )
-    if seed is not None:
-        _integer("seed", seed)
+    if seed is not None:  # what torch.Generator.manual_seed takes
+        _integer("seed", seed, minimum=-(2**63), maximum=2**64 - 1)
+    _integer("pad_token_id", pad_token_id, minimum=-(2**63), maximum=2**63 - 1)  # an int64 of the output
     return Request(
         input_ids=ids,
         attention_mask=mask,
@@ -226,7 +234,7 @@ def _vocab_size(model: nn.Module) -> int:
     return int(getattr(embedding, "num_embeddings", None) or model.config.get_text_config().vocab_size)
 
 
-def _integer(name: str, value, minimum: int | None = None) -> int:
+def _integer(name: str, value, minimum: int | None = None, maximum: int | None = None) -> int:
     if isinstance(value, bool) or (isinstance(value, Tensor) and value.dim() > 0):
         raise TypeError(f"{name} must be an integer, got {value!r}")
     try:
@@ -235,6 +243,8 @@ def _integer(name: str, value, minimum: int | None = None) -> int:
         raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})") from None
     if minimum is not None and number < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {number}")
+    if maximum is not None and number > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {number}")
     return number
 
 

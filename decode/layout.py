@@ -58,9 +58,12 @@ needs no gradient (neither input, weight nor bias): the copies have no backward.
 cast, loaded, trained or edited weight, another dtype, autocast, a pass that autograd records) runs the
 ordinary `F.linear` with the weight, so a stale copy is never read and every weight gets its gradient; a
 stale copy is freed at the layer's next call, and the next `onednn_linears`, `pretranspose_linears` or
-`pack_linears` call takes a new one. One write goes unseen: through `weight.data` in place (`w.data += d`),
-which bumps no version counter; after such a write call them with `force=True`, or `decode.prepare`, which
-takes every copy again. `targets.merge_lora` merges by replacing storage, which is seen.
+`pack_linears` call takes a new one. Writes that bump no version counter (through `weight.data` in place,
+`w.data += d`; through a NumPy or DLPack alias of the weight; into its storage) are not seen there:
+`decode.generate` calls `drop_changed` once per call, which compares a few sampled rows of each weight with
+their values when copied, so a whole-tensor write (a reload) is seen before any token; after a partial write
+of that kind call these with `force=True`, or `decode.prepare`, which takes every copy again.
+`targets.merge_lora` merges by replacing storage, which is seen.
 
 A leaf: this module knows `nn.Linear` only (no heads, trees or decoding loop).
 """
@@ -93,6 +96,7 @@ class _Copy(NamedTuple):
     version: int  # the weight's version counter (bumped by in-place writes through the parameter)
     steps: int  # optimizer steps over the weight (fused optimizers write without bumping the version)
     rows: int | None = None  # a packed copy: the one row count it serves
+    sample: Tensor | None = None  # `value_sample` of the weight when copied (`drop_changed` compares it)
 
 
 def _count_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
@@ -133,7 +137,7 @@ def _take(layer: nn.Linear, key: str, make, rows: int | None = None) -> int:
     with torch.no_grad():
         source = weight.detach()
         copy = make(source)
-    layer.__dict__[key] = _Copy(copy, source, weight._version, steps_over(weight), rows)
+    layer.__dict__[key] = _Copy(copy, source, weight._version, steps_over(weight), rows, value_sample(source))
     layer.forward = types.MethodType(_forward, layer)
     return weight.numel() * weight.element_size()
 
@@ -175,6 +179,34 @@ def _packable(tensor: Tensor) -> bool:
 def _fp32_linears(module: nn.Module) -> list[nn.Linear]:
     """The `nn.Linear` layers under `module` whose weight is fp32 on the CPU."""
     return [layer for layer in module.modules() if isinstance(layer, nn.Linear) and _packable(layer.weight)]
+
+
+def value_sample(tensor: Tensor, clone: bool = True) -> Tensor:
+    """About 8 whole rows of `tensor` (every (n / 8)-th), cloned (else a view): what `drop_changed` compares
+    to see writes that bump no version counter."""
+    tensor = tensor.detach()
+    rows = tensor if tensor.dim() else tensor[None]
+    rows = rows[:: max(1, rows.shape[0] // 8)]
+    return rows.clone() if clone else rows
+
+
+def drop_changed(module: nn.Module) -> int:
+    """Drop the copies under `module` whose weight's values changed without a version bump (a write through
+    `weight.data`, a NumPy or DLPack alias, the storage): a whole-tensor write (a reload) always shows in the
+    sampled rows, an edit of other rows does not. `decode.generate` calls it once per call (3-5 ms on the
+    default target); returns how many copies were dropped."""
+    dropped = 0
+    for layer in module.modules():
+        for key in (_ONEDNN, _WEIGHT_T, _PACKED):
+            copy = layer.__dict__.get(key)
+            if (
+                copy is not None
+                and copy.sample is not None
+                and not torch.equal(value_sample(layer.weight, clone=False), copy.sample)
+            ):
+                del layer.__dict__[key]
+                dropped += 1
+    return dropped
 
 
 def steps_over(tensor: Tensor) -> int:

@@ -10,12 +10,13 @@ from torch import nn
 from decode.drafter import Drafter, DraftLimits
 from decode.drafters import make_drafter
 from decode.drafters.lm_head import DRAFT_LM_HEAD
-from decode.fused import forget_fused_step
+from decode.fused import forget_changed_fused_step, forget_fused_step
 from decode.inputs import attention_windows
 from decode.layout import (
     can_int8,
     can_onednn,
     can_pack,
+    drop_changed,
     drop_onednn,
     drop_pretranspose,
     int8_linears,
@@ -78,6 +79,13 @@ def prepare(
         ValueError: a target `generate` cannot decode (`decode.inputs.attention_windows`), before any work.
     """
     attention_windows(model)
+    inference = [name for name, p in model.named_parameters() if p.is_inference()][:3]
+    if inference:  # `_take` would fail on their version counter with a RuntimeError that names nothing
+        raise ValueError(
+            f"the target's weights ({', '.join(inference)}, ...) are inference tensors, made under "
+            "torch.inference_mode: they keep no version counter, so a weight copy could not tell when they "
+            "change; load the model outside inference_mode (torch.no_grad is fine) or clone its parameters"
+        )
     fast_cpu = model.device.type == "cpu" and getattr(model, "dtype", None) == torch.float32
     if int8_draft is None:
         int8_draft = fast_cpu and can_int8()
@@ -92,6 +100,8 @@ def prepare(
     for head in parts:
         if int8_draft and not is_int8_draft(head):
             quantize_draft(head, model)
+        elif int8_draft and refresh and head.shares_target_lm_head:
+            _int8_shared_lm_head(head, model)  # its int8 copy of the target's lm_head, taken again
     for module in [*models, *parts]:
         if onednn:
             # a head: the layers int8 left in fp32 (EAGLE's fc), or all of an fp32 one
@@ -107,6 +117,17 @@ def prepare(
     for head in parts if refresh else ():
         forget_fused_step(head)  # its stacked draft weights are taken again at the next draft
     return heads
+
+
+def drop_changed_copies(model: nn.Module, heads=None) -> int:
+    """Before a decode: drop the weight copies (and EAGLE's fused draft step) of the target, the heads and a
+    draft model whose weights changed without a version bump since `prepare` (`decode.layout.drop_changed`),
+    so they run on their current weights; returns how many were dropped."""
+    sources = heads if isinstance(heads, (list, tuple)) else [heads]  # (a list: one source per row)
+    parts = list({id(h): h for source in sources for h in _head_parts(source)}.values())
+    models = {id(m): m for source in sources for m in _draft_models(source) if not _is_head(m)}
+    dropped = sum(drop_changed(m) for m in [model, *models.values(), *parts])
+    return dropped + sum(forget_changed_fused_step(head) for head in parts)
 
 
 def quantize_draft(heads: nn.Module, target: nn.Module | None = None) -> nn.Module:
@@ -142,15 +163,19 @@ def quantize_draft(heads: nn.Module, target: nn.Module | None = None) -> nn.Modu
     if heads.shares_target_lm_head:
         if target is None:
             raise ValueError(f"these {type(heads).__name__} project with the target's lm_head: pass target=")
-        shared = target.get_output_embeddings()
-        plain = nn.Linear(shared.in_features, shared.out_features, bias=shared.bias is not None)
-        # the target's tensors, read once by the quantizer
-        plain.weight, plain.bias = shared.weight, shared.bias
-        holder = nn.Sequential(plain)
-        int8_linears(holder)
-        object.__setattr__(heads, DRAFT_LM_HEAD, holder[0])  # not a submodule: stays out of state_dict()
+        _int8_shared_lm_head(heads, target)
     int8_linears(heads, skip=heads.int8_skip)
     return heads
+
+
+def _int8_shared_lm_head(heads: nn.Module, target: nn.Module) -> None:
+    """Give heads that project with the target's lm_head an int8 copy of it, for their drafts only."""
+    shared = target.get_output_embeddings()
+    plain = nn.Linear(shared.in_features, shared.out_features, bias=shared.bias is not None)
+    plain.weight, plain.bias = shared.weight, shared.bias  # the target's tensors, read once by the quantizer
+    holder = nn.Sequential(plain)
+    int8_linears(holder)
+    object.__setattr__(heads, DRAFT_LM_HEAD, holder[0])  # not a submodule: stays out of state_dict()
 
 
 def is_int8_draft(heads: nn.Module) -> bool:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from decode.accept import tempered
 from decode.drafter import Drafter
 from decode.tree import BestFirstTree, DraftTree, DynamicTree, TreeBuffers, build_tree
 
@@ -48,7 +49,7 @@ def draw_children(
         # log q = logit - logsumexp: the same order without a full log_softmax pass
         top = torch.topk(logits, k)
         return Candidates(top.indices, top.values - torch.logsumexp(logits, dim=-1, keepdim=True), None)
-    logq = torch.log_softmax(logits / temperature, dim=-1)
+    logq = torch.log_softmax(tempered(logits, temperature), dim=-1)
     uniform = torch.rand(logq.shape, generator=generator, device=logq.device).clamp_(1e-20, 1.0)
     gumbel = -torch.log(-torch.log(uniform))
     ids = torch.topk(logq + gumbel, k).indices  # Gumbel-top-k = sequential sampling without replacement
@@ -279,7 +280,7 @@ def _grow_best_first(
         levels.append(drafter.expand(no_parent, token, level)[:, 0])
     # ranked by the draft at the sampling temperature; the children are chosen (top ranks), not drawn, and
     # `decode.accept.accept_chosen` samples over them losslessly (no q_table: point masses)
-    logq = torch.log_softmax(torch.stack(levels, dim=1).float() / (temperature or 1.0), dim=-1)  # (B, D, Vd)
+    logq = torch.log_softmax(tempered(torch.stack(levels, dim=1), temperature or 1.0), dim=-1)  # (B, D, Vd)
     top = torch.topk(logq, min(spec.budget, logq.shape[-1]), dim=-1)
     ids = drafter.to_target_ids(top.indices)  # (B, D, k)
     values = top.values.tolist()  # the proposal's one read of the device

@@ -163,6 +163,9 @@ BAD_CALLS = {
             r"target=model, dtype=model.dtype, device=model.device\)"
         ),
     ),
+    "seed past a generator's": ({"seed": 2**70}, ValueError, "seed must be <= 18446744073709551615, got "),
+    "pad beyond int64": ({"pad_token_id": 10**30}, ValueError, "pad_token_id must be <= 9223372036854775807"),
+    "float pad": ({"pad_token_id": 1.5}, TypeError, r"pad_token_id must be an integer, got 1.5 \(float\)"),
     "heads in another dtype": (
         {"heads": lambda m: EagleHead(EagleConfig.from_target(m.config, "eagle3")).to(torch.bfloat16)},
         ValueError,
@@ -254,3 +257,25 @@ def test_int8_drafts_fit_an_fp32_target(build_target, kind):
     heads = _medusa() if kind == "medusa" else EagleHead(EagleConfig.from_target(model.config, "eagle3"))
     out = generate(model, PROMPT, quantize_draft(heads.eval(), model), max_new_tokens=4).one
     assert out.new_tokens == 4
+
+
+def test_a_tiny_temperature_or_top_p_tends_to_greedy_not_to_token_0(build_target):
+    """softmax(logits / 1e-40) overflowed to inf - inf = NaN and every draw was token 0; a top_p that rounds
+    to 0 in fp32 dropped every token, 0 / 0 again. Both now keep the likeliest token, as T -> 0 should."""
+    model = build_target("llama")
+    greedy = generate(model, PROMPT, max_new_tokens=8, eos_token_id=[]).replies
+    assert greedy[0] != [0] * 8
+    for kwargs in ({"temperature": 1e-40}, {"temperature": 1.0, "top_p": 1e-46}):
+        for heads in (None, _medusa()):
+            out = generate(model, PROMPT, heads, max_new_tokens=8, eos_token_id=[], seed=0, **kwargs)
+            assert out.replies == greedy, (kwargs, heads is not None)
+
+
+def test_one_prompt_takes_a_mask_of_its_own_shape(build_target):
+    """Ids of shape (T,) with a mask of shape (T,): the mask is the prompt's, as the ids are (it was refused
+    as "input_ids (1, T) and attention_mask (T,)", shapes the caller never passed)."""
+    model = build_target("llama")
+    ids = PROMPT[0]
+    alone = generate(model, ids, max_new_tokens=6, eos_token_id=[]).replies
+    masked = generate(model, ids, max_new_tokens=6, eos_token_id=[], attention_mask=torch.ones_like(ids))
+    assert masked.replies == alone

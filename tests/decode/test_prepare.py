@@ -8,6 +8,7 @@ the same weights, and trains with every gradient; `quantize_draft` (int8 drafts)
 import copy
 import importlib
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -433,3 +434,56 @@ def test_a_frozen_targets_copies_stay_valid_while_an_optimizer_trains_a_head(bui
         optimizer.step()
     for name, layer in _linears(target).items():  # the very same copies
         assert onednn_weight(layer) is copies[name][0] and transposed_weight(layer) is copies[name][1], name
+
+
+@layouts
+def test_generate_sees_whole_weight_writes_that_bump_no_version_counter(build_target, layout):
+    """A loader filling weights through a NumPy alias (or `.data`, or the storage) bumps no version counter,
+    so a layer kept reading its copy of the old weights: plain decoding gave the old model's tokens.
+    `generate` now compares sampled rows of each copied weight first; for the draft head too (its copies and
+    EAGLE's fused step), whose stale drafts would cost only acceptance: the steps must be those of fresh
+    copies."""
+    model = _trainable(build_target, layout).requires_grad_(False)
+    head = _eagle3(model)
+    before = generate(model, PROMPT, max_new_tokens=16).one.sequences.tolist()
+    reference, fresh = copy.deepcopy(model), copy.deepcopy(head)
+    prepare(model, head, DEFAULT_EAGLE_TREE, int8_draft=False, **LAYOUTS[layout])
+    generate(model, PROMPT, head, max_new_tokens=8)  # the fused draft step is built
+    generator = torch.Generator().manual_seed(3)
+    for module, twin in ((model, reference), (head, fresh)):
+        for param, ref in zip(module.parameters(), twin.parameters()):
+            new = param.detach() + 0.5 * param.detach().std() * torch.randn(param.shape, generator=generator)
+            np.copyto(param.detach().numpy(), new.numpy())  # the same memory, no version bump
+            with torch.no_grad():
+                ref.copy_(new)
+    expected = generate(reference, PROMPT, max_new_tokens=16).one.sequences.tolist()
+    assert expected != before  # it shows
+    assert generate(model, PROMPT, max_new_tokens=16).one.sequences.tolist() == expected
+    prepare(reference, fresh, DEFAULT_EAGLE_TREE, int8_draft=False, **LAYOUTS[layout])
+    ours = generate(model, PROMPT, head, max_new_tokens=16).one
+    theirs = generate(reference, PROMPT, fresh, max_new_tokens=16).one
+    assert ours.sequences.tolist() == expected and ours.accepted_per_depth == theirs.accepted_per_depth
+
+
+def test_prepare_refuses_inference_tensors_by_name(build_target):
+    with torch.inference_mode():
+        model = copy.deepcopy(build_target("llama", num_hidden_layers=2))
+        model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()})
+    assert next(model.parameters()).is_inference()
+    with pytest.raises(ValueError, match=r"weights \(model.embed_tokens.weight, .*\) are inference tensors"):
+        prepare(model, None)
+
+
+@needs_fbgemm
+def test_prepare_again_takes_the_int8_copy_of_a_changed_target_lm_head(build_target):
+    """EAGLE-1 drafts through an int8 copy of the target's lm_head; it was taken once and never again."""
+    model = copy.deepcopy(build_target("llama", num_hidden_layers=2))
+    head = EagleHead(EagleConfig.from_target(model.config, "eagle1")).eval()
+    prepare(model, head)
+    with torch.no_grad():
+        model.lm_head.weight.copy_(
+            torch.randn(model.lm_head.weight.shape, generator=torch.Generator().manual_seed(5))
+        )
+    prepare(model, head)
+    error = (draft_lm_head(head, model).weight().dequantize() - model.lm_head.weight).abs().max()
+    assert error < 0.05, float(error)
