@@ -48,8 +48,14 @@ def save_state(accelerator: Accelerator, output_dir: str | Path, step: int, keep
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         write_json(partial / PROGRESS_FILE, {"step": step, "num_processes": accelerator.num_processes})
-        shutil.rmtree(final, ignore_errors=True)
+        # a state of this step already there (a finished run rerun) goes aside first and away last: a kill in
+        # between leaves it complete (`latest_state` skips names not "step-*")
+        aside = root / f".step-{step}.old"
+        shutil.rmtree(aside, ignore_errors=True)
+        if final.exists():
+            os.replace(final, aside)
         os.replace(partial, final)
+        shutil.rmtree(aside, ignore_errors=True)
         states = sorted(
             (p for p in root.glob("step-*") if (p / PROGRESS_FILE).is_file()),
             key=lambda p: int(p.name.split("-")[1]),
@@ -73,7 +79,11 @@ def saved_processes(state: Path) -> int | None:
 
 # Settings that fix which examples each step sees: a resumed run that changes them would skip or repeat data.
 DATA_ORDER_KEYS = (
+    "model.target",  # its tokenizer and template make the rows' tokens
+    "model.revision",
     "data.train_files",
+    "data.sources",
+    "data.trim_loops",
     "data.eval_files",
     "data.max_length",
     "data.eval_fraction",

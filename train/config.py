@@ -305,14 +305,33 @@ class MedusaRunConfig:
 
 
 class _Loader(yaml.SafeLoader):
-    """SafeLoader that reads `1e-4` as a float (plain PyYAML follows YAML 1.1 and returns the str '1e-4')."""
+    """SafeLoader that reads `1e-4` as a float (plain PyYAML follows YAML 1.1 and returns the str '1e-4') and
+    refuses a key given twice in one mapping (PyYAML keeps the last: a second `train:` section dropped the
+    first whole)."""
 
 
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789"),
-)
+class _Dumper(yaml.SafeDumper):
+    """SafeDumper that quotes the strings `_Loader` would read as floats (a revision `12e4567`), so a saved
+    config reads back as it was."""
+
+
+_FLOAT = re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$")
+for _yaml in (_Loader, _Dumper):
+    _yaml.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT, list("-+0123456789"))
+
+
+def _mapping_without_repeats(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict:
+    seen: dict = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node)
+        line = key_node.start_mark.line + 1
+        if isinstance(key, str) and key in seen:
+            raise ConfigError(f"key {key!r} is given twice in one section (lines {seen[key]} and {line})")
+        seen[key] = line
+    return loader.construct_mapping(node)
+
+
+_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_repeats)
 
 
 def load_config(cls: type[T], yaml_path: str | Path | None, overrides: Sequence[str] = ()) -> T:
@@ -329,7 +348,10 @@ def load_config(cls: type[T], yaml_path: str | Path | None, overrides: Sequence[
             names the dotted key, the file or override it came from, and the valid keys / type / choices.
     """
     source = str(yaml_path) if yaml_path is not None else "<no YAML file>"
-    raw = yaml.load(Path(yaml_path).read_text(encoding="utf-8"), Loader=_Loader) if yaml_path else {}
+    try:
+        raw = yaml.load(Path(yaml_path).read_text(encoding="utf-8"), Loader=_Loader) if yaml_path else {}
+    except ConfigError as error:
+        raise ConfigError(f"{source}: {error}") from None
     raw = {} if raw is None else raw
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: the top level must be a mapping of sections, got {type(raw).__name__}")
@@ -393,4 +415,4 @@ def save_config(cfg: Any, path: str | Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     name = type(cfg).__name__
     header = f"# resolved {name}; read back with load_config({name}, <this file>)\n"
-    path.write_text(header + yaml.safe_dump(to_dict(cfg), sort_keys=False), encoding="utf-8")
+    path.write_text(header + yaml.dump(to_dict(cfg), Dumper=_Dumper, sort_keys=False), encoding="utf-8")

@@ -42,12 +42,15 @@ def read_rows(path: str | Path) -> Iterator[tuple[int, dict | Exception]]:
     if text.lstrip().startswith("["):
         try:
             items = json.loads(text)
-        except json.JSONDecodeError as error:
-            yield error.lineno, error
-            return
+        except json.JSONDecodeError as error:  # one slip loses every row of the file: never a skipped row
+            raise ValueError(
+                f"{path}:{error.lineno}: not valid JSON ({error.msg}); a JSON list parses as a whole, so "
+                f"every row of this {len(text):,}-character file would be lost (JSONL keeps the other rows)"
+            ) from error
         yield from ((number, _as_row(item)) for number, item in enumerate(items, start=1))
         return
-    for number, line in enumerate(text.splitlines(), start=1):
+    # "\n" only: str.splitlines also splits a row at U+2028, U+2029, \x85 ... (valid in JSON strings)
+    for number, line in enumerate(text.split("\n"), start=1):
         if line.strip():
             try:
                 yield number, _as_row(json.loads(line))
@@ -68,13 +71,26 @@ def _turns(row: dict, key: str, role_key: str, content_key: str) -> list[dict]:
     for i, turn in enumerate(row[key]):
         if not isinstance(turn, dict) or role_key not in turn or content_key not in turn:
             raise BadRow(f"'{key}'[{i}] must be an object with '{role_key}' and '{content_key}' keys")
-        if turn[role_key] not in _ROLES:
+        if not isinstance(turn[role_key], str) or turn[role_key] not in _ROLES:
             raise BadRow(f"'{key}'[{i}].{role_key}: unknown role {turn[role_key]!r}")
         if not isinstance(turn[content_key], str):
             raise BadRow(f"'{key}'[{i}].{content_key}: non-string content")
         messages.append({"role": _ROLES[turn[role_key]], "content": turn[content_key]})
     if not messages:
         raise BadRow(f"'{key}': empty conversation")
+    # an optional system turn first, then user and assistant turns in turn from a user's: a reply with no
+    # question before it, or a system turn later, would be trained as if the template had rendered a chat
+    first = 1 if messages[0]["role"] == "system" else 0
+    for i, message in enumerate(messages[first:], start=first):
+        expected = "user" if (i - first) % 2 == 0 else "assistant"
+        if message["role"] != expected:
+            raise BadRow(
+                f"'{key}'[{i}].{role_key}: expected role {expected!r} here, found {message['role']!r}"
+            )
+        if expected == "assistant" and not message["content"].strip():
+            raise BadRow(
+                f"'{key}'[{i}].{content_key}: empty assistant reply (it would train only end-of-turn)"
+            )
     return messages
 
 
@@ -279,10 +295,13 @@ def build_dataset(
     for path in files:
         total, bad = 0, 0
         for number, row in read_rows(path):
-            if wanted and isinstance(row, dict) and row.get("source") not in wanted:
+            source = row.get("source") if isinstance(row, dict) else None
+            if not (source is None or isinstance(source, str)):
+                row, source = BadRow(f"'source': expected a string, got {type(source).__name__}"), None
+            if wanted and isinstance(row, dict) and source not in wanted:
                 report.left_out += 1
                 continue
-            found.add(row.get("source") if isinstance(row, dict) else None)
+            found.add(source)
             total += 1
             try:
                 if isinstance(row, Exception):

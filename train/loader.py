@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+from pathlib import Path
 
 import torch
 from accelerate import Accelerator
@@ -45,11 +46,16 @@ def load_frozen_target(model: ModelConfig, accelerator: Accelerator, whole: bool
 
 def expand_files(patterns: list[str]) -> list[str]:
     """Files named by paths or glob patterns (e.g. data/smollm2/regen/*.jsonl), sorted per pattern."""
-    files = []
+    files, named = [], {}  # resolved path -> the pattern that named it first
     for pattern in patterns:
         matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
         if not matches:
             raise FileNotFoundError(f"data file pattern {pattern!r} matches no file")
+        for match in matches:
+            key = str(Path(match).resolve())
+            if key in named:  # read twice, its rows would count twice (and may sit on both sides of a split)
+                raise ValueError(f"data file {match} is named twice: by {named[key]!r} and by {pattern!r}")
+            named[key] = pattern
         files += matches
     return files
 
@@ -68,6 +74,11 @@ def load_datasets(data: DataConfig, tokenizer, accelerator: Accelerator) -> tupl
         accelerator.print(f"train data: {report}")
         eval_set = None
         if data.eval_files:
+            both = {str(Path(f).resolve()) for f in expand_files(data.train_files)} & {
+                str(Path(f).resolve()) for f in expand_files(data.eval_files)
+            }
+            if both:  # the eval loss would be measured on rows the head trains on
+                raise ValueError(f"data.eval_files and data.train_files both name {sorted(both)}")
             eval_set, eval_report = build_dataset(
                 expand_files(data.eval_files),
                 tokenizer,

@@ -48,6 +48,10 @@ def accelerator(num_processes: int = 1) -> SimpleNamespace:
         ("train.per_device_batch_size=3", "train.per_device_batch_size: 2 -> 3"),
         ("data.shuffle_seed=1", "data.shuffle_seed: 0 -> 1"),
         ("data.eval_fraction=0.5", "data.eval_fraction: 0.25 -> 0.5"),
+        # these change which rows exist or their tokens: they were resumed without a word
+        ("data.sources=[sharegpt]", r"data.sources: '\[\]' -> \"\['sharegpt'\]\""),
+        ("data.trim_loops=2", "data.trim_loops: 0 -> 2"),
+        ("model.revision=abc", "model.revision: 'None' -> 'abc'"),
     ],
 )
 def test_another_data_order_is_refused(change, listed, tmp_path, overrides):

@@ -262,6 +262,32 @@ def test_save_config_round_trip(path, tmp_path):
         assert to_dict(again) == to_dict(cfg) == yaml.safe_load(yaml.safe_dump(to_dict(cfg)))
 
 
+def test_a_key_or_section_given_twice_is_refused_with_both_lines(tmp_path):
+    """PyYAML keeps the last of two equal keys: a second `train:` section silently dropped the first."""
+    path = tmp_path / "twice.yaml"
+    path.write_text(
+        "data:\n  train_files: [a]\ntrain:\n  output_dir: o\n  learning_rate: 1e-3\ntrain:\n  max_steps: 3\n"
+    )
+    with pytest.raises(
+        ConfigError, match=re.escape(f"{path}: key 'train' is given twice in one section (lines 3 and 6)")
+    ):
+        load_config(EagleRunConfig, path)
+    path.write_text(
+        "data:\n  train_files: [a]\ntrain:\n  output_dir: o\n  learning_rate: 1e-3\n  learning_rate: 1e-5\n"
+    )
+    with pytest.raises(
+        ConfigError, match="key 'learning_rate' is given twice in one section \\(lines 5 and 6\\)"
+    ):
+        load_config(EagleRunConfig, path)
+
+
+def test_a_saved_string_that_reads_as_a_float_is_quoted(tmp_path):
+    """A short commit hash of digits and one e (`12e4567`) was saved bare and read back as inf."""
+    cfg = load_config(EagleRunConfig, None, REQUIRED + ["model.revision='12e4567'", "data.sources=['1e3']"])
+    save_config(cfg, tmp_path / "config.yaml")
+    assert load_config(EagleRunConfig, tmp_path / "config.yaml") == cfg
+
+
 def test_defaults_follow_the_papers():
     eagle = load_config(EagleRunConfig, None, REQUIRED)
     assert (eagle.train.adam_beta1, eagle.train.adam_beta2, eagle.train.max_grad_norm) == (0.9, 0.95, 0.5)

@@ -129,8 +129,18 @@ def test_read_rows_json_list(tmp_path):
     assert [n for n, _ in rows] == [1, 2, 3] and isinstance(rows[1][1], BadRow)
     broken = tmp_path / "broken.json"
     broken.write_text('[\n  {"text": "a"},\n  {"text": \n]')
-    ((line, error),) = list(read_rows(broken))
-    assert isinstance(error, json.JSONDecodeError) and line == 4
+    # one slip loses the whole list: an error, never one skipped row that max_bad_fraction could absorb
+    with pytest.raises(ValueError, match=re.escape(f"{broken}:4: not valid JSON") + ".*every row of this"):
+        list(read_rows(broken))
+
+
+def test_read_rows_splits_jsonl_at_newlines_only(tmp_path):
+    """U+2028, U+2029 and \\x85 are valid inside JSON strings; str.splitlines cut such a row in two bad halves
+    and shifted every later line number."""
+    rows = [{"text": "a\u2028b"}, {"text": "c\u2029d\x85e"}, {"text": "f"}]
+    path = tmp_path / "a.jsonl"
+    path.write_text("\n".join(json.dumps(row, ensure_ascii=False) for row in rows) + "\n", encoding="utf-8")
+    assert list(read_rows(path)) == [(1, rows[0]), (2, rows[1]), (3, rows[2])]
 
 
 # ---- normalising rows -------------------------------------------------------------------------------------
@@ -144,12 +154,11 @@ def test_to_messages_formats():
             {"from": "gpt", "value": "a"},
             {"from": "user", "value": "q2"},
             {"from": "chatgpt", "value": "a2"},
+            {"from": "human", "value": "q3"},
             {"from": "bing", "value": "a3"},
         ]
     }
-    assert [m["role"] for m in to_messages(sharegpt)] == ["system", "user", "assistant", "user"] + [
-        "assistant"
-    ] * 2
+    assert [m["role"] for m in to_messages(sharegpt)] == ["system"] + ["user", "assistant"] * 3
     openai = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
     assert to_messages(openai) == openai["messages"]
     assert to_messages({"text": "plain text"}) == [{"role": "text", "content": "plain text"}]
@@ -176,6 +185,23 @@ def test_to_messages_formats():
         ),
         ({"conversations": "hello"}, "'conversations' is a str, expected a list"),
         ({"text": 3}, "'text': expected a non-empty string"),
+        ({"messages": [{"role": ["user"], "content": "q"}]}, "'messages'[0].role: unknown role ['user']"),
+        (
+            {"messages": [{"role": "user", "content": "q"}, *[{"role": "assistant", "content": "a"}] * 2]},
+            "'messages'[2].role: expected role 'user' here, found 'assistant'",
+        ),
+        (
+            {"messages": [{"role": "system", "content": "s"}, {"role": "assistant", "content": "a"}]},
+            "'messages'[1].role: expected role 'user' here, found 'assistant'",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "q"}, {"role": "user", "content": "q"}]},
+            "'messages'[1].role: expected role 'assistant' here, found 'user'",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": " "}]},
+            "'messages'[1].content: empty assistant reply",
+        ),
     ],
 )
 def test_to_messages_errors_name_key_and_problem(row, message):
@@ -327,6 +353,19 @@ def test_build_dataset_keeps_only_the_named_sources(tmp_path, tokenizers):
     assert (whole.kept, whole.left_out) == (8, 0)
     with pytest.raises(ValueError, match=r"data.sources names \['alpaca'\], which no row .* has"):
         build_dataset(path, tokenizers["smollm2"], 128, max_bad_fraction=0.3, sources=["a", "alpaca"])
+
+
+def test_a_source_that_is_not_a_string_is_a_bad_row(tmp_path, tokenizers):
+    """A list as `source` raised "unhashable type: 'list'" out of the whole build, naming nothing."""
+    rows = [{"source": "a", "messages": CHAT}] * 9 + [{"source": ["a"], "messages": CHAT}]
+    path = _write(tmp_path / "mixed.jsonl", rows)
+    for sources in ((), ("a",)):
+        dataset, report = build_dataset(
+            path, tokenizers["smollm2"], 128, max_bad_fraction=0.2, sources=sources
+        )
+        assert len(dataset) == 9 and report.examples == [
+            f"{path}:10: bad_row: 'source': expected a string, got list"
+        ]
 
 
 def test_split_eval():

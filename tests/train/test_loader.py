@@ -3,6 +3,7 @@ the steps of an epoch, and each epoch's batches in an order a resumed run repeat
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -134,3 +135,34 @@ def test_a_frozen_fp32_cpu_target_gets_onednn_weights_and_a_trained_one_does_not
     )
     assert is_onednn(target) == (whole and can_onednn())  # Medusa-2's LoRA target (whole=False): untouched
     assert list(target.state_dict()) == list(load_target(str(tiny_target_dir))[0].state_dict())
+
+
+def test_a_file_named_twice_is_refused_naming_both_patterns(tmp_path):
+    """Read twice, a shard's rows counted twice and could sit on both sides of the eval split."""
+    for name in ("a.jsonl", "b.jsonl"):
+        (tmp_path / name).write_text("")
+    twice = str(tmp_path / "a.jsonl")
+    with pytest.raises(
+        ValueError, match=re.escape(f"a.jsonl is named twice: by '{tmp_path}/*.jsonl' and by")
+    ):
+        expand_files([str(tmp_path / "*.jsonl"), twice])
+    with pytest.raises(ValueError, match="is named twice"):
+        expand_files([twice, str(tmp_path / "." / "a.jsonl")])
+
+
+def test_eval_files_that_are_training_files_are_refused(tmp_path):
+    """The eval loss would be measured on rows the head trains on."""
+    (tmp_path / "a.jsonl").write_text("")
+    cfg = load_config(
+        EagleRunConfig,
+        None,
+        [
+            f"data.train_files=[{tmp_path}/*.jsonl]",
+            f"data.eval_files=[{tmp_path}/a.jsonl]",
+            "train.output_dir=o",
+        ],
+    )
+    with pytest.raises(
+        ValueError, match=re.escape(f"data.eval_files and data.train_files both name ['{tmp_path}")
+    ):
+        train.loader.load_datasets(cfg.data, None, make_accelerator(TrainConfig(output_dir="unused")))
