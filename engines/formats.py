@@ -35,7 +35,8 @@ _EAGLE3_LAYER_KEYS = (*_LAYER_KEYS, "input_layernorm.weight", "hidden_norm.weigh
 
 
 def _bad_ids(ids, low: int, high: int | None = None) -> list:
-    """The entries of a tap list that are not integers in [low, high)."""
+    """The entries of `ids` that are not integers in [low, high) (a validator lists them all; loading raises
+    at the first, `heads.typed.check_int_ids`)."""
     return [
         i
         for i in ids
@@ -46,7 +47,7 @@ def _bad_ids(ids, low: int, high: int | None = None) -> list:
 def _count(config: dict, key: str, low: int, errors: list[str]) -> int | None:
     """config[key] when it is an int >= low; else None and an error."""
     value = config[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+    if _bad_ids([value], low):
         errors.append(f"{key} must be an integer >= {low}, got {value!r}")
         return None
     return value
@@ -175,7 +176,7 @@ def _dflash_expected_shapes(config: dict, errors: list[str]) -> dict[str, tuple[
     if _bad_ids([mask], 0, vocab if isinstance(vocab, int) else None):
         errors.append(f"dflash_config.mask_token_id must be a token id in [0, {vocab}), got {mask!r}")
     block = config.get("block_size")
-    if isinstance(block, bool) or not isinstance(block, int) or block < 2:
+    if _bad_ids([block], 2):
         errors.append(f"block_size must be an integer >= 2 (the root and its drafts), got {block!r}")
     if (
         "eagle_aux_hidden_state_layer_ids" in config

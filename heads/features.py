@@ -16,6 +16,8 @@ from typing import Self
 import torch
 from torch import Tensor, nn
 
+from heads.typed import check_int_ids
+
 LAST = -1  # pseudo tap id: the decoder's final (post-norm) hidden state, i.e. the lm_head input
 
 
@@ -48,13 +50,8 @@ def to_input_convention(layer_ids: Sequence[int]) -> list[int]:
 def from_input_convention(layer_ids: Sequence[int]) -> list[int]:
     """Input-to-layer ids (EAGLE official / vLLM style) -> our output-of-layer ids. Id 0 (the embeddings'
     output, hidden_states[0]) is refused: it has no output-of-layer id, and -1 is `LAST` here."""
-    bad = [i for i in layer_ids if isinstance(i, bool) or not isinstance(i, int) or i < 1]
-    if bad:
-        raise ValueError(
-            f"input-to-layer tap ids must be integers >= 1, got {bad} in {list(layer_ids)} (id 0 is the "
-            "embeddings' output, which selfspec's heads do not tap)"
-        )
-    return [i - 1 for i in layer_ids]
+    name = "input-to-layer tap ids (id 0 is the embeddings' output, which selfspec's heads do not tap)"
+    return [i - 1 for i in check_int_ids(layer_ids, name, low=1)]
 
 
 class FeatureCapture:

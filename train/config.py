@@ -371,7 +371,13 @@ def load_config(cls: type[T], yaml_path: str | Path | None, overrides: Sequence[
                     f"override {item!r}: {'.'.join(parents[: depth + 1])} is not a section (config {source})"
                 )
             node = node[part]
-        node[leaf] = yaml.load(text, Loader=_Loader)
+        value = yaml.load(text, Loader=_Loader)
+        if isinstance(value, dict) and isinstance(node.get(leaf), dict):
+            _merge(
+                node[leaf], value
+            )  # `eagle={ce_loss_weight: 0.2}` sets that key; the section's others stay
+        else:
+            node[leaf] = value
         origins[key] = f"override {item!r} (config {source})"
 
     def where(key: str) -> str:
@@ -379,6 +385,15 @@ def load_config(cls: type[T], yaml_path: str | Path | None, overrides: Sequence[
         return origins[max(hits, key=len)] if hits else source
 
     return build_dataclass(cls, raw, "", where)
+
+
+def _merge(into: dict, value: dict) -> None:
+    """`value`'s keys set in `into`, mappings merged key by key (a replaced section lost its other keys)."""
+    for key, item in value.items():
+        if isinstance(item, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], item)
+        else:
+            into[key] = item
 
 
 def to_dict(cfg: Any) -> dict:

@@ -281,6 +281,18 @@ def test_a_key_or_section_given_twice_is_refused_with_both_lines(tmp_path):
         load_config(EagleRunConfig, path)
 
 
+def test_a_section_override_sets_its_keys_and_keeps_the_others(tmp_path):
+    """`eagle={ce_loss_weight: 0.2}` replaced the YAML's whole eagle section: head_type and the noise went
+    back to their defaults without a word."""
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        "data:\n  train_files: [a]\ntrain:\n  output_dir: o\n"
+        "eagle:\n  head_type: eagle1\n  noise_width: 0.5\n"
+    )
+    cfg = load_config(EagleRunConfig, path, ["eagle={ce_loss_weight: 0.2}"])
+    assert (cfg.eagle.head_type, cfg.eagle.noise_width, cfg.eagle.ce_loss_weight) == ("eagle1", 0.5, 0.2)
+
+
 def test_a_saved_string_that_reads_as_a_float_is_quoted(tmp_path):
     """A short commit hash of digits and one e (`12e4567`) was saved bare and read back as inf."""
     cfg = load_config(EagleRunConfig, None, REQUIRED + ["model.revision='12e4567'", "data.sources=['1e3']"])
