@@ -62,31 +62,17 @@ def expand_files(patterns: list[str]) -> list[str]:
 
 def load_datasets(data: DataConfig, tokenizer, accelerator: Accelerator) -> tuple[Dataset, Dataset | None]:
     """(train, eval) datasets, rendered with the target's chat template and masked to assistant tokens."""
+    train_files, eval_files = expand_files(data.train_files), expand_files(data.eval_files)
+    both = {str(Path(f).resolve()) for f in train_files} & {str(Path(f).resolve()) for f in eval_files}
+    if both:  # the eval loss would be measured on rows the head trains on
+        raise ValueError(f"data.eval_files and data.train_files both name {sorted(both)}")
+    rows = (tokenizer, data.max_length, data.max_bad_fraction, data.trim_loops, data.sources)
     with accelerator.main_process_first():
-        train_set, report = build_dataset(
-            expand_files(data.train_files),
-            tokenizer,
-            data.max_length,
-            data.max_bad_fraction,
-            data.trim_loops,
-            data.sources,
-        )
+        train_set, report = build_dataset(train_files, *rows)
         accelerator.print(f"train data: {report}")
         eval_set = None
-        if data.eval_files:
-            both = {str(Path(f).resolve()) for f in expand_files(data.train_files)} & {
-                str(Path(f).resolve()) for f in expand_files(data.eval_files)
-            }
-            if both:  # the eval loss would be measured on rows the head trains on
-                raise ValueError(f"data.eval_files and data.train_files both name {sorted(both)}")
-            eval_set, eval_report = build_dataset(
-                expand_files(data.eval_files),
-                tokenizer,
-                data.max_length,
-                data.max_bad_fraction,
-                data.trim_loops,
-                data.sources,
-            )
+        if eval_files:
+            eval_set, eval_report = build_dataset(eval_files, *rows)
             accelerator.print(f"eval data: {eval_report}")
         elif data.eval_fraction > 0:
             train_set, eval_set = split_eval(train_set, data.eval_fraction, data.shuffle_seed)
