@@ -228,6 +228,8 @@ def uniform_chats(tmp_path_factory, tiny_target_dir) -> Path:
     ]
     path = tmp_path_factory.mktemp("uniform") / "train.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    # the same rows as an eval file of its own (a file that is both train and eval data is refused)
+    path.with_name("eval.jsonl").write_text(path.read_text(encoding="utf-8"), encoding="utf-8")
     dataset, _ = build_dataset(path, AutoTokenizer.from_pretrained(tiny_target_dir), max_length=64)
     assert len(dataset) == 40 and len({tuple(mask) for mask in dataset["loss_mask"]}) == 1
     assert {len(ids) for ids in dataset["input_ids"]} == {64}
@@ -237,11 +239,12 @@ def uniform_chats(tmp_path_factory, tiny_target_dir) -> Path:
 @pytest.fixture(scope="session")
 def two_rank_args(overrides, uniform_chats):
     """`two_rank_args(output_dir, *extra, evaluate=False)`: tiny_test.yaml overrides, 3 steps of 1 uniform
-    chat per rank; `evaluate` adds EVAL_EVERY_STEP on a held-out file (the training file itself: any file
-    does)."""
+    chat per rank; `evaluate` adds EVAL_EVERY_STEP on a held-out file (a copy of the training rows: any rows
+    do)."""
 
     def make(output_dir, *extra: str, evaluate: bool = False) -> list[str]:
-        evaluation = [*EVAL_EVERY_STEP, f"data.eval_files=['{uniform_chats}']"] if evaluate else []
+        held_out = uniform_chats.with_name("eval.jsonl")
+        evaluation = [*EVAL_EVERY_STEP, f"data.eval_files=['{held_out}']"] if evaluate else []
         return overrides(output_dir, *TWO_RANK_ARGS, *evaluation, *extra, train_file=uniform_chats)
 
     return make

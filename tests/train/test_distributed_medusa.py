@@ -51,7 +51,11 @@ def single(tmp_path_factory, overrides, uniform_chats, run_recipe) -> Path:
 
 def launch(cli, overrides, uniform_chats, out: Path, accelerate_config: str, *extra: str) -> str:
     args = overrides(
-        out, *TWO_RANKS, f"data.eval_files=['{uniform_chats}']", *extra, train_file=uniform_chats
+        out,
+        *TWO_RANKS,
+        f"data.eval_files=['{uniform_chats.with_name('eval.jsonl')}']",
+        *extra,
+        train_file=uniform_chats,
     )
     script = [FSDP_ON_CPU, "train/medusa.py"] if accelerate_config == "fsdp2.yaml" else "train/medusa.py"
     command = cli.command(script, args, accelerate_config=accelerate_config)
