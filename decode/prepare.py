@@ -63,7 +63,8 @@ def prepare(
     Args:
         model: the target, in inference use.
         heads: the draft heads, a `Composite` (its head parts readied as heads), or a custom `Drafter` (which
-            only sizes the tree); None for plain decoding (which gets the oneDNN weights too, so that both are
+            only sizes the tree), or a list of those, one per row, as `generate` takes it; None for plain
+            decoding (which gets the oneDNN weights too, so that both are
             measured on the same kernels).
         tree: the tree `generate` will get (None: the heads' default tree).
         pretranspose: force the MKL weight copies and packing on (True) or off (False); None: where they
@@ -95,8 +96,8 @@ def prepare(
         pretranspose = fast_cpu and can_pack() and not onednn
     # the heads (`heads`, or a composite's head parts) and the models the target and a draft source draft with
     # (a separate draft model); other sources (a custom `Drafter`, n-gram ...) are left as they are
-    parts = _head_parts(heads)
-    models = [model, *(m for m in _draft_models(heads) if not _is_head(m))]
+    parts, drafted = _sources_parts(heads)
+    models = [model, *drafted]
     for head in parts:
         if int8_draft and not is_int8_draft(head):
             quantize_draft(head, model)
@@ -123,10 +124,8 @@ def drop_changed_copies(model: nn.Module, heads=None) -> int:
     """Before a decode: drop the weight copies (and EAGLE's fused draft step) of the target, the heads and a
     draft model whose weights changed without a version bump since `prepare` (`decode.layout.drop_changed`),
     so they run on their current weights; returns how many were dropped."""
-    sources = heads if isinstance(heads, (list, tuple)) else [heads]  # (a list: one source per row)
-    parts = list({id(h): h for source in sources for h in _head_parts(source)}.values())
-    models = {id(m): m for source in sources for m in _draft_models(source) if not _is_head(m)}
-    dropped = sum(drop_changed(m) for m in [model, *models.values(), *parts])
+    parts, models = _sources_parts(heads)
+    dropped = sum(drop_changed(m) for m in [model, *models, *parts])
     return dropped + sum(forget_changed_fused_step(head) for head in parts)
 
 
@@ -202,18 +201,23 @@ def pack_for_tree(
     if heads is None:
         pack_linears(target, None)
         return
-    limits = make_drafter(heads, target, 1).limits()
-    tree = resolve_tree(
-        tree,
-        max_depth=limits.max_depth,
-        dynamic=limits.dynamic,
-        device=target.device,
-        temperature=temperature,
-    )
-    pack_linears(target, verify_rows(tree), force=force)
-    for head in _head_parts(heads):  # a composite's head part is packed for the rows it drafts itself
-        own = limits if head is heads else make_drafter(head, target, 1).limits()
-        pack_linears(head, head_rows(own, tree), force=force)
+    sources = list({id(s): s for s in heads}.values()) if isinstance(heads, (list, tuple)) else [heads]
+    rows = set()
+    for source in sources:
+        limits = make_drafter(source, target, 1).limits()
+        resolved = resolve_tree(
+            tree,
+            max_depth=limits.max_depth,
+            dynamic=limits.dynamic,
+            device=target.device,
+            temperature=temperature,
+        )
+        rows.add(verify_rows(resolved))
+        for head in _head_parts(source):  # a composite's head part is packed for the rows it drafts itself
+            own = limits if head is source else make_drafter(head, target, 1).limits()
+            pack_linears(head, head_rows(own, resolved), force=force)
+    # row drafters whose trees verify different row counts: the target's passes have no one count to pack for
+    pack_linears(target, rows.pop() if len(rows) == 1 else None, force=force)
 
 
 def _draft_models(source) -> list[nn.Module]:
@@ -222,6 +226,15 @@ def _draft_models(source) -> list[nn.Module]:
         return []
     kind = kind_of(source)
     return kind.part("models")(source) if kind.models else []
+
+
+def _sources_parts(heads) -> tuple[list[nn.Module], list[nn.Module]]:
+    """The distinct heads and separate draft models of `heads`: one draft source, or a list of them (one per
+    row, as `generate` takes them)."""
+    sources = heads if isinstance(heads, (list, tuple)) else [heads]
+    parts = {id(h): h for source in sources for h in _head_parts(source)}
+    models = {id(m): m for source in sources for m in _draft_models(source) if not _is_head(m)}
+    return list(parts.values()), list(models.values())
 
 
 def _head_parts(source) -> list[nn.Module]:

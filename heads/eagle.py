@@ -122,9 +122,9 @@ def check_rope_parameters(rope) -> None:
         if slip is not None:
             raise ValueError(f"rope_parameters has {key!r}: a slip of {slip!r}? ({rope!r})")
     theta = rope.get("rope_theta") if keys is not None else None
-    if keys is None or not isinstance(rope.get("rope_type"), str) or isinstance(theta, bool):
+    if keys is None or not isinstance(rope.get("rope_type"), str) or theta is None:
         raise ValueError(f"rope_parameters needs a rope_type (a string) and a rope_theta, got {rope!r}")
-    if not (isinstance(theta, (int, float)) and theta > 0):
+    if isinstance(theta, bool) or not (isinstance(theta, (int, float)) and theta > 0):
         raise ValueError(f"rope_parameters needs a positive rope_theta, got {rope!r}")
 
 

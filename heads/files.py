@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
+
+import yaml
 
 
 def atomic_write(dest: str | Path, write: Callable[[Path], object]) -> Path:
@@ -47,3 +50,21 @@ def write_json(dest: str | Path, obj) -> Path:
 def write_jsonl(dest: str | Path, rows: Iterable[dict]) -> Path:
     """`dest` holds one JSON object per line (non-ASCII kept as is), written atomically."""
     return write_text(dest, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+
+
+# what selfspec's YAML reader resolves as a float beside PyYAML's own (YAML 1.1 wants a dot: `1e-4` is a str
+# there): `train.config.load_config`'s loader adds it, and `dump_yaml` quotes the strings it would match
+YAML_FLOAT = re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$")
+
+
+class YamlDumper(yaml.SafeDumper):
+    """SafeDumper that quotes the strings selfspec's config loader would read as floats (a revision
+    `12e4567`), so a saved config reads back as it was."""
+
+
+YamlDumper.add_implicit_resolver("tag:yaml.org,2002:float", YAML_FLOAT, list("-+0123456789"))
+
+
+def dump_yaml(data) -> str:
+    """`data` as YAML, keys in their order, that `train.config.load_config` reads back unchanged."""
+    return yaml.dump(data, Dumper=YamlDumper, sort_keys=False)

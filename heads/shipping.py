@@ -16,9 +16,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
-import yaml
 
-from heads.files import write_text
+from heads.files import dump_yaml, write_text
 from heads.io import load_heads, read_head_config, save_heads
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -209,7 +208,7 @@ def ship_head(
         for file_name, content in licence.items():
             (staging / file_name).write_bytes(content)
         if config.get("training"):
-            write_text(staging / TRAIN_CONFIG, yaml.safe_dump(config["training"], sort_keys=False))
+            write_text(staging / TRAIN_CONFIG, dump_yaml(config["training"]))
         if licence:
             terms = ", ".join(f"`{file_name}`" for file_name in sorted(licence))
             notes = (

@@ -7,7 +7,6 @@ missing required keys fail with the dotted key named, before any model is loaded
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Any, TypeVar
 import torch
 import yaml
 
+from heads.files import YAML_FLOAT, dump_yaml
 from heads.typed import ConfigError, build_dataclass
 from targets import DEFAULT_TARGET
 
@@ -310,14 +310,7 @@ class _Loader(yaml.SafeLoader):
     first whole)."""
 
 
-class _Dumper(yaml.SafeDumper):
-    """SafeDumper that quotes the strings `_Loader` would read as floats (a revision `12e4567`), so a saved
-    config reads back as it was."""
-
-
-_FLOAT = re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$")
-for _yaml in (_Loader, _Dumper):
-    _yaml.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT, list("-+0123456789"))
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float", YAML_FLOAT, list("-+0123456789"))
 
 
 def _mapping_without_repeats(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict:
@@ -430,4 +423,4 @@ def save_config(cfg: Any, path: str | Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     name = type(cfg).__name__
     header = f"# resolved {name}; read back with load_config({name}, <this file>)\n"
-    path.write_text(header + yaml.dump(to_dict(cfg), Dumper=_Dumper, sort_keys=False), encoding="utf-8")
+    path.write_text(header + dump_yaml(to_dict(cfg)), encoding="utf-8")

@@ -487,3 +487,28 @@ def test_prepare_again_takes_the_int8_copy_of_a_changed_target_lm_head(build_tar
     prepare(model, head)
     error = (draft_lm_head(head, model).weight().dequantize() - model.lm_head.weight).abs().max()
     assert error < 0.05, float(error)
+
+
+@x86
+@pytest.mark.parametrize("onednn", [False, None], ids=["mkl", "default"])
+def test_prepare_takes_one_draft_source_per_row_as_generate_does(build_target, onednn):
+    """`generate` takes a list of draft sources (one per row); `prepare` readies each distinct head once
+    and packs the target for the rows every source's tree verifies (none where they differ). Greedy
+    output stays each row's plain decoding."""
+    target = copy.deepcopy(build_target("llama"))
+    first, second = _eagle3(target, seed=0), _eagle3(target, seed=1)
+    second.set_draft_vocab(first.to_target_ids(torch.arange(64)))  # a batch drafts through one vocabulary
+    prompts = torch.randint(1, 128, (3, 6), generator=torch.Generator().manual_seed(5))
+    plain = generate(target, prompts, max_new_tokens=16).sequences
+    sources = [first, second, first]
+    assert prepare(target, sources, TREE, onednn=onednn) is sources
+    assert is_int8_draft(first) and is_int8_draft(second)
+    if onednn is False or not can_onednn():
+        assert packed_rows(target) == verify_rows(TREE) and packed_rows(second) == TREE.top_k
+    assert (
+        generate(target, prompts, sources, max_new_tokens=16, tree=TREE).sequences.tolist() == plain.tolist()
+    )
+    medusa = MedusaHeads(MedusaConfig(hidden_size=32, vocab_size=128, num_heads=3)).eval()
+    prepare(target, [first, medusa], onednn=False)  # default trees: EAGLE's verifies 13 rows, Medusa's 9
+    assert packed_rows(target) is None and packed_rows(first) == DEFAULT_EAGLE_TREE.top_k
+    assert is_int8_draft(medusa)

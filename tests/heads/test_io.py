@@ -241,7 +241,8 @@ def test_a_slip_in_the_rope_parameters_is_refused(tmp_path, llama, kind):
     config = json.loads(config_file.read_text())
     for rope, message in (
         ({"rope_type": "default", "rope_thetaa": 5e5}, "'rope_thetaa': a slip of 'rope_theta'"),
-        ({"rope_type": "default"}, "needs a positive rope_theta, got {'rope_type': 'default'}"),
+        ({"rope_type": "default"}, "and a rope_theta, got {'rope_type': 'default'}"),
+        ({"rope_type": "default", "rope_theta": True}, "needs a positive rope_theta, got .*True"),
         ({"rope_theta": 1e4}, "needs a rope_type \\(a string\\) and a rope_theta"),
         ({"rope_type": "default", "rope_theta": -1.0}, "needs a positive rope_theta"),
     ):

