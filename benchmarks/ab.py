@@ -102,7 +102,7 @@ def run(args) -> str:
             "after = the working tree"
         ),
         "",
-        "| method | tau | before tok/s | after tok/s | after/before (median of the pairs) |",
+        "| method | tau (mean of prompts) | before tok/s | after tok/s | after/before (median of pairs) |",
         "|---|---|---|---|---|",
     ]
     for method, s in stats.items():

@@ -37,6 +37,13 @@ def tree_name(tree) -> str:
 
 
 @torch.no_grad()
+def pooled_tau(new_tokens: Sequence[int], steps: Sequence[int]) -> float:
+    """Tokens emitted per verify pass over all rows, as bench.md pools (a row's first token comes from the
+    prefill, no verify pass): not the mean of the rows' taus, which weighs a row of 5 steps as one of 50."""
+    passes = sum(steps)
+    return sum(n - 1 for n in new_tokens) / passes if passes else 1.0
+
+
 def batch_benchmark(
     model: nn.Module,
     heads: nn.Module,
@@ -51,9 +58,9 @@ def batch_benchmark(
     rowwise: bool = False,
 ) -> list[dict]:
     """One record per batch size: tokens/s of plain, fixed-tree, policy and adaptive-policy decoding of all
-    `prompts` in groups of B (median of `repeats` rounds), the speedups over plain, mean tau, what the
-    policies chose (and the fixed one's predicted speedup), and whether every greedy reply equals plain
-    decoding's.
+    `prompts` in groups of B (median of `repeats` rounds), the speedups over plain, tau (pooled: emitted
+    tokens over verify passes of all rows), what the policies chose (and the fixed one's predicted speedup),
+    and whether every greedy reply equals plain decoding's.
 
     Args:
         model: the target.
@@ -94,7 +101,7 @@ def batch_benchmark(
         for round_ in range(max(repeats, 1)):
             for name in order[round_ % len(order) :] + order[: round_ % len(order)]:
                 drafts, make_spec, together = runs[name]
-                tokens, seconds, row_replies, row_taus = 0, 0.0, [], []
+                tokens, seconds, row_replies, row_tokens, row_steps = 0, 0.0, [], [], []
                 for ids, mask in groups:
                     spec = make_spec()  # a fresh adaptive policy per group: it learns that group
                     out = generate(
@@ -107,7 +114,8 @@ def batch_benchmark(
                     )
                     tokens, seconds = tokens + sum(out.new_tokens), seconds + out.seconds
                     row_replies += out.replies
-                    row_taus += out.tau
+                    row_tokens += out.new_tokens
+                    row_steps += out.steps
                     if name == "adaptive" and round_ == 0:
                         adaptive_steps.update(spec.chosen)
                         for kind, factors in time_factors.items():
@@ -121,7 +129,7 @@ def batch_benchmark(
                     flush=True,
                 )
                 replies[name] = row_replies
-                taus[name] = statistics.mean(row_taus)
+                taus[name] = pooled_tau(row_tokens, row_steps)
         tok_s = {name: statistics.median(values) for name, values in speeds.items()}
         chosen = policy_tree(choices, batch)
         steps = sum(adaptive_steps.values())

@@ -332,8 +332,8 @@ def build_methods(
             depth = loaded[name].draft_depths if name in BLOCK_LABELS else None
             if name == "medusa1":
                 depth = loaded[name].config.num_heads
-            if depth is not None and n > depth:
-                continue  # (deeper than it drafts)
+            if depth is not None and n > depth or (name in BLOCK_LABELS and n == depth):
+                continue  # (deeper than it drafts; a block drafter's whole block is its chain already)
             methods.append(
                 Method(f"{label} chain {n}", loaded[name], chain(n), tree_label=tree_label(chain(n)))
             )
@@ -371,7 +371,7 @@ def run_benchmark(
     lengths: dict[str, int] | None = None,
 ) -> dict[tuple[str, float, str], Tally]:
     """{(method, temperature, column): Tally}: a column is a category (or "<category>@N" at N new tokens),
-    its pooled kind ("in-source", "held-out", at that length) or "all". Per temperature, category and prompt,
+    its pooled kind ("in-source", "held-out") or "all", at that length. Per temperature, category and prompt,
     plain decoding of each target and every method run back to back in a rotating order; one untimed warm-up
     run of each first. At temperature 0 a method whose output differs from plain greedy decoding is named on
     stderr, with where and whether the target's logits tie there (`benchmarks.agreement`).
@@ -385,6 +385,9 @@ def run_benchmark(
         [Method("plain (medusa2)", target="medusa2")] if "medusa2" in targets else []
     )
     order = plains + methods
+    repeated = sorted({m.name for m in order if [o.name for o in order].count(m.name) > 1})
+    if repeated:  # outputs are keyed by name: one run would stand for both, and tally twice
+        raise ValueError(f"two methods named {', '.join(repeated)}: name each method once")
 
     def run(method: Method, ids: torch.Tensor, new_tokens: int, temperature: float, seed: int) -> dict:
         if method.kind == "lookup":

@@ -17,6 +17,7 @@ CATEGORIES = ("chat", "instruction", "code")  # in-source: kinds the training po
 HELDOUT_FILE = "prompts_eval_heldout.jsonl"  # held-out-source categories (train/heldout.py builds them)
 HELDOUT_CATEGORIES = ("summary", "open_qa", "creative", "system", "followup")  # train.heldout's
 IN_SOURCE, HELD_OUT = "in-source", "held-out"  # the pooled columns of each kind
+ALL = "all"  # the column pooling every category of one reply length
 # Each held-out kind's counterpart in the third training pool (train/broad.py): prompts of that kind that the
 # shipped heads were trained on. A head's tau on them, beside its tau on the held-out prompts, splits the gap
 # to the in-source kinds into what the kind of text costs and what not having seen the prompt's source costs.
@@ -76,11 +77,12 @@ def at_lengths(prompts: dict[str, list[dict]], lengths: list[int], long_prompts:
 
 
 def pooled_labels(label: str) -> list[str]:
-    """The pooled columns a category column also counts in: its kind (in-source or held-out) at its length,
-    and "all"."""
+    """The pooled columns a category column also counts in: its kind (in-source or held-out) and "all", both
+    at its length (replies of other lengths are pooled apart: "all@256")."""
     category, _, length = label.partition("@")
     kind = IN_SOURCE if category in CATEGORIES else HELD_OUT
-    return [kind + (f"@{length}" if length else ""), "all"]
+    suffix = f"@{length}" if length else ""
+    return [kind + suffix, ALL + suffix]
 
 
 def prompt_ids(tokenizer, row: dict) -> torch.Tensor:

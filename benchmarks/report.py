@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.benchmark import BLOCK_LABELS
-from benchmarks.prompts import HELD_OUT, IN_SOURCE
+from benchmarks.prompts import ALL, HELD_OUT, IN_SOURCE
 from heads.files import write_json, write_text
 
 
@@ -99,17 +99,29 @@ def render(results: dict) -> str:
 
 def columns(rows: list[dict]) -> dict[str, list[str]]:
     """The category columns per length (the first length "", then "@N"): each length's categories in the order
-    of the rows, then its pooled kinds (in-source, held-out), and "all" with the first length."""
+    of the rows, then its pooled kinds (in-source, held-out), then "all" (or "all@N") where the rows hold it.
+
+    A record of several lengths written before 2026-12-07 has one "all" row pooled over every length: it is
+    shown nowhere (its tables' totals read n/a) rather than beside the first length's columns."""
     labels = list(dict.fromkeys(r["category"] for r in rows))
     out: dict[str, list[str]] = {}
     for label in labels:
-        if label == "all":
-            continue
-        out.setdefault(label.partition("@")[2], []).append(label)
+        if label.partition("@")[0] != ALL:
+            out.setdefault(label.partition("@")[2], []).append(label)
+    mixed = len(out) > 1 and not any(label.startswith(f"{ALL}@") for label in labels)
     for length, cats in out.items():
         pooled = [c for c in cats if c.partition("@")[0] in (IN_SOURCE, HELD_OUT)]
-        out[length] = [c for c in cats if c not in pooled] + pooled + (["all"] if length == "" else [])
+        total = ALL + (f"@{length}" if length else "")
+        shown = [total] if total in labels and not mixed else []
+        out[length] = [c for c in cats if c not in pooled] + pooled + shown
     return out
+
+
+def _cell(row: dict | None) -> str:
+    """tau / speedup (median of per-prompt speedups) of one row, or n/a."""
+    if row is None:
+        return "n/a"
+    return f"{row['tau']:.2f} / {row['speedup']:.2f}x ({row['speedup_median_of_prompts']:.2f}x)"
 
 
 def _table(rows: list[dict], cats: list[str], temperature: float, length: str) -> list[str]:
@@ -118,19 +130,17 @@ def _table(rows: list[dict], cats: list[str], temperature: float, length: str) -
     table = []
     for name in dict.fromkeys(r["method"] for r in rows):
         cell = {r["category"]: r for r in rows if r["method"] == name}
-        total = cell["all"]
+        total = cell.get(cats[-1]) if cats and cats[-1].partition("@")[0] == ALL else None
+        if total is None:  # a record whose only "all" row pools several lengths (`columns`)
+            tree = next(r["tree"] for r in rows if r["method"] == name)
+            table.append([name, tree] + [_cell(cell.get(c)) for c in cats] + ["n/a"] * 4)
+            continue
         same = f"{total['identical_to_plain']}/{total['prompts']}" if temperature == 0 else "n/a"
         if temperature == 0 and total.get("fp32_ties"):
             same += f" ({total['fp32_ties']} fp32 tie{'s' if total['fp32_ties'] > 1 else ''})"
         table.append(
             [name, total["tree"]]
-            + [
-                f"{cell[c]['tau']:.2f} / {cell[c]['speedup']:.2f}x "
-                f"({cell[c]['speedup_median_of_prompts']:.2f}x)"
-                if c in cell
-                else "n/a"
-                for c in cats
-            ]
+            + [_cell(cell.get(c)) for c in cats]
             + [
                 f"{total['tokens_per_second']:.1f}",
                 f"{total['plain_tokens_per_second']:.1f}",
@@ -165,7 +175,7 @@ def plots(results: dict, out: Path) -> list[str]:
     fig, axes = plt.subplots(1, len(temps), figsize=(6 * len(temps), 4), squeeze=False)
     for ax, temp in zip(axes[0], temps):
         for row in results["rows"]:
-            if row["temperature"] == temp and row["category"] == "all" and row["acceptance_per_depth"]:
+            if row["temperature"] == temp and row["category"] == ALL and row["acceptance_per_depth"]:
                 rates = row["acceptance_per_depth"]
                 ax.plot(range(1, len(rates) + 1), rates, marker="o", label=row["method"])
         ax.set(
@@ -185,7 +195,7 @@ def plots(results: dict, out: Path) -> list[str]:
         xs = sorted(best)
         ax.plot(xs, [best[x] for x in xs], linestyle="--", label=f"{name}: predicted best at size")
     for row in results["rows"]:
-        if row["temperature"] == 0 and row["category"] == "all" and row["draft_nodes_per_step"]:
+        if row["temperature"] == 0 and row["category"] == ALL and row["draft_nodes_per_step"]:
             ax.scatter(row["draft_nodes_per_step"], row["speedup"], label=f"{row['method']} (measured)")
     ax.axhline(1.0, color="grey", linewidth=0.8)
     ax.set(title="speedup vs tree size, T=0", xlabel="draft tokens per step", ylabel="speedup over plain")

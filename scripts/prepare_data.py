@@ -40,6 +40,7 @@ from train.prompts import (
     llamafactory_prompts,
     split,
 )
+from train.varied import VARIED_FILE, build_varied_pool
 from train.wide import WIDE_FILE, build_wide_pool
 
 
@@ -83,7 +84,18 @@ def main() -> None:
         help="write only prompts_train_wide.jsonl, the fifth training pool (train/wide.py: eleven more "
         "distributions with few prompts each, and follow-ups of the fourth pool's chats)",
     )
+    parser.add_argument(
+        "--varied",
+        action="store_true",
+        help="write only prompts_train_varied.jsonl, the sixth training pool (train/varied.py: passages of "
+        "three public-domain texts, five topic lists, long-form writing, long system prompts, follow-ups of "
+        "the fifth pool's chats)",
+    )
     args = parser.parse_args()
+    if args.varied:
+        pool, near = build_varied_pool(args.out, args.seed)
+        report(args.out / VARIED_FILE, pool, near)
+        return
     if args.original:
         write_original(args.out)
         return

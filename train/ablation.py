@@ -190,15 +190,28 @@ def dump_states(spec: AblationSpec, log=print) -> float:
     """Dump an offline spec's hidden states unless done before (an interrupted dump resumes); returns the
     seconds the dump took (all its launches)."""
     done = spec.states_dir / DUMPED
+    command = dump_command(spec)
     if done.is_file():
-        seconds = json.loads(done.read_text())["seconds"]
+        seconds = _done_before(done, command, "the hidden-state dump")["seconds"]
         log(f"[states] dumped before ({seconds:.0f} s): {spec.states_dir}")
         return seconds
-    command = dump_command(spec)
     log("[states] " + " ".join(command[1:]))
     seconds = _launch(command, spec.states_dir, "dump.log", "the hidden-state dump")
-    write_json(done, {"seconds": seconds})
+    write_json(done, {"seconds": seconds, "args": command[2:]})
     return seconds
+
+
+def _done_before(done: Path, command: list[str], what: str) -> dict:
+    """The record of a finished dump or arm, when the config and overrides (`args`) that made it are those of
+    `command` now; a spec whose base, common overrides or arm changed since would table the old run beside
+    the new settings, so that is a ValueError naming both."""
+    record = json.loads(done.read_text())
+    if record.get("args") != command[2:]:
+        raise ValueError(
+            f"{what} in {done.parent} was made by {record.get('args')}, but the spec now runs "
+            f"{command[2:]}: remove {done.parent} to run it again, or restore the spec"
+        )
+    return record
 
 
 def _launch(command: list[str], folder: Path, log_name: str, what: str) -> float:
@@ -226,14 +239,14 @@ def run_arm(spec: AblationSpec, name: str, log=print) -> dict:
     seconds of all its launches, resumed ones included)."""
     out = spec.output_dir / name
     done = out / DONE
+    command = arm_command(spec, name)
     if done.is_file():
-        record = json.loads(done.read_text())
+        record = _done_before(done, command, f"arm {name!r}")
         log(f"[{name}] done before ({record['seconds']:.0f} s of training): skipped")
         return record
-    command = arm_command(spec, name)
     log(f"[{name}] " + " ".join(command[1:]))
     seconds = _launch(command, out, "train.log", f"arm {name!r}")
-    record = {"arm": name, "overrides": spec.arms[name], "seconds": seconds}
+    record = {"arm": name, "overrides": spec.arms[name], "seconds": seconds, "args": command[2:]}
     write_json(done, record)
     return record
 
@@ -304,8 +317,11 @@ def _pool(parts: list[dict]) -> dict:
 
 
 def _ratio(out: dict, over: str, under: str) -> None:
+    """The row "<over> / <under>": the ratio of their pooled taus, and of their medians of prompts (the
+    table's bracket)."""
     ratio = out[over]["tau"] / out[under]["tau"] if out[under]["steps"] else float("nan")
-    out[f"{over} / {under}"] = {"tau": ratio, "tau_median": ratio, "prompts": 0}
+    medians = out[over]["tau_median"] / out[under]["tau_median"] if out[under]["steps"] else float("nan")
+    out[f"{over} / {under}"] = {"tau": ratio, "tau_median": medians, "prompts": 0}
 
 
 def pooled_kinds(taus: dict[str, dict]) -> dict[str, dict]:

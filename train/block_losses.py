@@ -97,6 +97,20 @@ def dflash_block_logits(
     return head.logits(hidden.view(b, n, k, -1)[:, :, 1:], lm_head)
 
 
+def dflash_slots(loss_mask: Tensor, starts: Tensor, valid: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
+    """(labels, slot_mask), each (B, N, block_size - 1): the position slot k of the block at anchor a scores
+    (a + k, clamped to the sequence) and whether it is scored: a real block's slot inside the sequence on a
+    token to learn, and every slot before it scored too. A block that runs past its reply's end (through a
+    user turn into the next reply) would otherwise train slots to predict a reply from masks standing for
+    text the draft never sees, which decoding never asks."""
+    t = loss_mask.shape[1]
+    labels = starts[:, :, None] + torch.arange(1, block_size, device=starts.device)
+    inside = labels < t
+    labels = labels.clamp(max=t - 1)
+    learn = loss_mask.gather(1, labels.flatten(1)).view_as(labels).bool()
+    return labels, (valid[:, :, None] & inside & learn).int().cumprod(-1).bool()
+
+
 def dflash_loss(
     head: DFlashHead,
     target_features: Tensor,
@@ -131,16 +145,11 @@ def dflash_loss(
         acceptance probability of slot k's draft given the true prefix) when the target's mass inside the
         draft vocabulary is known.
     """
-    t = input_ids.shape[1]
     k = head.block_size
     gamma = gamma or dflash_gamma(k)
     starts, valid = dflash_anchors(loss_mask, anchors, generator)
     logits = dflash_block_logits(head, target_features, input_ids, starts, embed, lm_head)  # (B, N, k-1, Vd)
-    labels = starts[:, :, None] + torch.arange(1, k, device=input_ids.device)  # the positions scored
-    inside = labels < t
-    labels = labels.clamp(max=t - 1)
-    learn = loss_mask.gather(1, labels.flatten(1)).view_as(labels).bool()
-    slot_mask = valid[:, :, None] & inside & learn
+    labels, slot_mask = dflash_slots(loss_mask, starts, valid, k)
     width = target_logits.shape[-1]
     scores = target_logits.gather(1, (labels - 1).flatten(1)[:, :, None].expand(-1, -1, width))
     target_probs, draft_mass = draft_target_probs(head, scores.view(*labels.shape, width), distill)
@@ -186,13 +195,12 @@ def peagle_chains(
         return empty, empty.clone(), empty.bool()
     b, t = loss_mask.shape
     learn = loss_mask.bool().cpu()
-    length = t - 1  # depth-0 rows
     rows: list[tuple[Tensor, Tensor]] = []
     for r in range(b):
         scored = learn[r, 2:]  # depth-0 row t scores token t + 2
         n = int(scored.sum())
         scale = min(1.0, max_anchors / max(n * ratio, 1.0))
-        kept = torch.arange(length)
+        kept = torch.arange(scored.numel())[scored]  # anchors whose own depth-0 token is one to learn
         anchors, levels = [], []
         for d in range(1, depths):
             label = kept + d + 2  # the token the placeholder at a + d scores

@@ -40,9 +40,6 @@ def position_losses(logits: Tensor, target_probs: Tensor, distill: str, lk_eta: 
     return -(target_probs * torch.log_softmax(logits.float(), dim=-1)).sum(-1)
 
 
-NLA_FLOOR = 1e-5  # lk_nla: -log max(alpha, floor), so a position the draft misses entirely stays finite
-
-
 def acceptance(logits: Tensor, target_probs: Tensor) -> Tensor:
     """alpha = sum_x min(p(x), q(x)) per position (..., V) -> (...): the probability that a token drawn from
     the draft q is accepted against the target p (1 - their total variation distance). `target_probs` must
@@ -69,9 +66,13 @@ def _lk_positions(logits: Tensor, target_probs: Tensor, kind: str, eta: float) -
     if kind not in LK_LOSSES:
         raise ValueError(f"kind must be 'lk_nla' or 'lk_hybrid', got {kind!r}")
     logq = torch.log_softmax(logits.float(), dim=-1)  # one pass: q for alpha, log q for KL
-    alpha = torch.minimum(target_probs, logq.exp()).sum(-1)  # `acceptance`
     if kind == "lk_nla":
-        return -torch.log(alpha.clamp_min(NLA_FLOOR))
+        # -log alpha as a log-sum-exp of min(log p, log q): exact and finite however small alpha is, and its
+        # gradient is whole there (a floor, -log max(alpha, 1e-5), left the draft's worst misses untrained);
+        # a target probability that is exactly 0 counts as the smallest normal float
+        logp = torch.log(target_probs.float().clamp_min(torch.finfo(torch.float32).tiny))
+        return -torch.logsumexp(torch.minimum(logp, logq), dim=-1)
+    alpha = torch.minimum(target_probs, logq.exp()).sum(-1)  # `acceptance`
     kl = (torch.xlogy(target_probs, target_probs) - target_probs * logq).sum(-1)
     weight = torch.exp(-eta * alpha.detach())
     return weight * kl + (1 - weight) * (1 - alpha)
@@ -238,6 +239,11 @@ def draft_target_probs(head: EagleHead, target_logits: Tensor, distill: str) -> 
     if distill not in DISTILL:
         raise ValueError(f"distill must be one of {', '.join(DISTILL)}, got {distill!r}")
     draft, full = head.config.draft_vocab_size, head.config.vocab_size
+    if draft == full - 1:  # the layouts are told apart by their width, and these two would be one
+        raise ValueError(
+            f"a draft vocabulary of {draft} tokens, one less than the target's {full}: its logits with the "
+            f"outside-mass column are as wide as the full vocabulary's; draft {full} or at most {full - 2}"
+        )
     width = target_logits.shape[-1]
     if width == full and draft != full:  # full-vocabulary logits
         probs = torch.softmax(target_logits.float(), dim=-1)[..., head.t2d]

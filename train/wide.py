@@ -226,6 +226,28 @@ def names_held_out(term: str, held: set[str]) -> bool:
     )
 
 
+class TopicDraw:
+    """Terms drawn topic by topic in turn, each once, so that small lists (spices, instruments) are not
+    crowded out by large ones (holidays): `take(i)` pops the next term of topic `order[i % len(order)]`, or
+    of the next topic along that still has terms."""
+
+    def __init__(self, pairs: list[tuple[str, str]]) -> None:
+        """`pairs`: (term, topic), already shuffled; each topic's terms are popped from its end."""
+        self.by_topic: dict[str, list[str]] = {}
+        for term, topic in pairs:
+            self.by_topic.setdefault(topic, []).append(term)
+        self.order = sorted(self.by_topic)
+
+    def take(self, i: int, topics: list[str] | None = None) -> tuple[str, str]:
+        """(term, topic) for draw `i` among `topics` (default: every topic)."""
+        topics = self.order if topics is None else topics
+        for k in range(len(topics)):
+            topic = topics[(i + k) % len(topics)]
+            if self.by_topic[topic]:
+                return self.by_topic[topic].pop(), topic
+        raise ValueError("the topic lists ran out of terms")
+
+
 def wide_prompts(
     chats: list[dict], exclude: set[str], seed: int = 0, sizes: dict[str, int] | None = None
 ) -> list[dict]:
@@ -239,17 +261,8 @@ def wide_prompts(
     """
     sizes = {**SIZES, **(sizes or {})}
     rng = random.Random(seed)
-    rows: list[dict] = []
-    counts: dict[str, int] = {}
-
-    def add(kind: str, messages: list[dict], **extra) -> None:
-        counts[kind] = counts.get(kind, 0) + 1
-        rows.append(
-            {"id": f"wide_{kind}/{counts[kind] - 1}", "source": f"wide_{kind}", "messages": messages} | extra
-        )
-
-    def user(text: str) -> list[dict]:
-        return [{"role": "user", "content": text}]
+    rows = PoolRows("wide")
+    add = rows.add
 
     openers = [t for t in chat_openers() if not names_held_out(t, exclude)]
     for text in rng.sample(openers, min(sizes["chat"], len(openers))):
@@ -259,19 +272,8 @@ def wide_prompts(
         add("joke", user(JOKE_ASKS[i % len(JOKE_ASKS)].format(joke=joke)))
     pairs = [(t, topic) for topic, ts in topic_terms().items() for t in ts if not names_held_out(t, exclude)]
     rng.shuffle(pairs)
-    # topics in turn, so that small lists (spices, instruments) are not crowded out by large ones (holidays)
-    by_topic: dict[str, list[str]] = {}
-    for term, topic in pairs:
-        by_topic.setdefault(topic, []).append(term)
-    order = sorted(by_topic)
-
-    def take(i: int, topics: list[str] = order) -> tuple[str, str]:
-        for k in range(len(topics)):
-            topic = topics[(i + k) % len(topics)]
-            if by_topic[topic]:
-                return by_topic[topic].pop(), topic
-        raise ValueError("the topic lists ran out of terms")
-
+    draw = TopicDraw(pairs)
+    order, take = draw.order, draw.take
     for i in range(sizes["explain"]):
         term, topic = take(i)
         asks = EXPLAIN[topic]
@@ -291,19 +293,70 @@ def wide_prompts(
     texts = doc_passages()
     for i, passage in enumerate(rng.sample(texts, min(sizes["passage"], len(texts)))):
         add("passage", user(f"{PASSAGE_ASKS[i % len(PASSAGE_ASKS)]}\n\n{passage}"))
+    for messages, chat_id in followed_up(chats, FOLLOW_UPS, sizes["followup"], rng):
+        add("followup", messages, **{"from": chat_id})
+    rng.shuffle(rows.rows)
+    return rows.rows
+
+
+def user(text: str) -> list[dict]:
+    """One user turn."""
+    return [{"role": "user", "content": text}]
+
+
+class PoolRows:
+    """The rows of one pool as they are added: ids `<prefix>_<kind>/<i>` numbered per kind, sources
+    `<prefix>_<kind>`."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix, self.rows, self.counts = prefix, [], {}
+
+    def add(self, kind: str, messages: list[dict], **extra) -> None:
+        """Append a row of `kind` holding `messages` and the fields `extra`."""
+        n = self.counts[kind] = self.counts.get(kind, 0) + 1
+        source = f"{self.prefix}_{kind}"
+        self.rows.append({"id": f"{source}/{n - 1}", "source": source, "messages": messages} | extra)
+
+
+def followed_up(
+    chats: list[dict], asks: tuple[str, ...], size: int, rng: random.Random
+) -> list[tuple[list[dict], str]]:
+    """(messages, id of the chat followed up) of `size` chats at most drawn from `chats` that hold one reply,
+    ended on their own and are not themselves follow-ups, each then the next of `asks` in turn."""
     finished = [
         c
         for c in chats
         if c.get("finish_reason") == "stop"
-        and c["source"] != "broad_followup"
+        and not c["source"].endswith("_followup")
         and [m["role"] for m in c["messages"]].count("assistant") == 1
         and c["messages"][-1]["role"] == "assistant"
     ]
-    for i, chat in enumerate(rng.sample(finished, min(sizes["followup"], len(finished)))):
-        follow = {"role": "user", "content": FOLLOW_UPS[i % len(FOLLOW_UPS)]}
-        add("followup", [*chat["messages"], follow], **{"from": chat["id"]})
-    rng.shuffle(rows)
-    return rows
+    drawn = rng.sample(finished, min(size, len(finished)))
+    return [
+        ([*chat["messages"], {"role": "user", "content": asks[i % len(asks)]}], chat["id"])
+        for i, chat in enumerate(drawn)
+    ]
+
+
+def screened(pool: list[dict], folder: Path, earlier: tuple[str, ...], name: str) -> tuple[list[dict], dict]:
+    """(pool, near duplicates dropped per source): `pool` less near duplicates of every evaluation prompt of
+    the committed files under `folder`.
+
+    Raises:
+        RuntimeError: a prompt repeats one of the pool files `earlier` word for word (`name` the pool's).
+    """
+    from train.broad import EVALUATION_FILES
+
+    def rows(file_name: str) -> list[dict]:
+        return [json.loads(line) for line in (folder / file_name).read_text().splitlines()]
+
+    evaluation = [row for file_name in EVALUATION_FILES for row in rows(file_name)]
+    pool, near = drop_near_duplicates(pool, evaluation)
+    asked = {json.dumps(row["messages"]) for file_name in earlier for row in rows(file_name)}
+    repeated = [row["id"] for row in pool if json.dumps(row["messages"]) in asked]
+    if repeated:
+        raise RuntimeError(f"{name} prompts repeating an earlier pool's: {repeated[:10]}")
+    return pool, near
 
 
 def build_wide_pool(folder: Path, seed: int = 0) -> tuple[list[dict], dict[str, int]]:
@@ -313,17 +366,9 @@ def build_wide_pool(folder: Path, seed: int = 0) -> tuple[list[dict], dict[str, 
     Raises:
         RuntimeError: a prompt repeats one of an earlier pool word for word.
     """
-    from train.broad import EVALUATION_FILES, POOL_FILES
-
-    def rows(name: str) -> list[dict]:
-        return [json.loads(line) for line in (folder / name).read_text().splitlines()]
+    from train.broad import POOL_FILES
 
     held = {name.lower() for name in element_names() + country_names()}
     pool = wide_prompts(committed_chats(folder, (FOLLOWED_FOLDER,)), held, seed)
-    pool, near = drop_near_duplicates(pool, [row for name in EVALUATION_FILES for row in rows(name)])
     earlier = ("prompts_train.jsonl", "prompts_train_domains.jsonl", *POOL_FILES)
-    asked = {json.dumps(row["messages"]) for name in earlier for row in rows(name)}
-    repeated = [row["id"] for row in pool if json.dumps(row["messages"]) in asked]
-    if repeated:
-        raise RuntimeError(f"fifth-pool prompts repeating an earlier pool's: {repeated[:10]}")
-    return pool, near
+    return screened(pool, folder, earlier, "fifth-pool")

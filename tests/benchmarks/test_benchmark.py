@@ -15,6 +15,7 @@ from benchmarks.benchmark import (
     lookup_counts,
     result_rows,
     rotated,
+    run_benchmark,
 )
 from benchmarks.prompts import SEEN_SOURCES, at_lengths, load_prompts, load_seen_prompts, loops, pooled_labels
 from benchmarks.report import columns, plots, render
@@ -109,6 +110,31 @@ def test_build_methods_in_report_order(build_target, tmp_path):
     assert methods[6].tree == DynamicTree(depth=3, top_k=2, total_tokens=5)
     assert methods[6].tree_label == "dynamic(depth=3, top_k=2, total=5)"
     assert [type(p).__name__ for p in methods[7].heads.parts] == ["EagleHead", "Ngram"]  # EAGLE-3 + lookup
+
+
+def test_a_block_drafters_whole_block_is_one_chain_method_and_names_are_unique(build_target, tmp_path):
+    """`--chain N` for a P-EAGLE head that drafts N deep named a second "P-EAGLE chain N" beside its own
+    block chain: outputs are keyed by name, so one run stood for both and every prompt tallied twice."""
+    from heads.peagle import PEagleConfig, PEagleHead
+
+    model = build_target("llama")
+    head = PEagleHead(PEagleConfig.from_target(model.config, mask_token_id=3, parallel_depths=3))
+    save_heads(head, tmp_path / "peagle", base_model="tiny", target=model)
+    methods, _, _ = build_methods(model, "tiny", {"peagle": tmp_path / "peagle"}, chains=(2, 3))
+    names = [m.name for m in methods if m.name.startswith("P-EAGLE")]
+    assert names == ["P-EAGLE chain 3", "P-EAGLE chain 2"]
+    twice = [Method("M", tree=[(0,)]), Method("M", tree=[(0,), (0, 0)])]
+    with pytest.raises(ValueError, match="two methods named M: name each method once"):
+        run_benchmark(
+            None,
+            {"base": model},
+            twice,
+            {"chat": []},
+            temperatures=[0.0],
+            max_new_tokens=2,
+            seed=0,
+            layout={},
+        )
 
 
 def test_load_prompts_splits_categories_and_keeps_calibration_apart(tmp_path):
@@ -296,16 +322,42 @@ def test_plots_are_written(tmp_path):
 
 
 def test_columns_group_each_length_with_its_pooled_kinds():
-    """In-source and held-out-source categories side by side at each length, each kind pooled after them."""
+    """In-source and held-out-source categories side by side at each length, each kind pooled after them, and
+    all of them last, each length apart: a reply of 256 tokens is not pooled into the 64-token table."""
     labels = ["chat", "summary", "in-source", "held-out", "all", "chat@64", "summary@64", "in-source@64"]
-    labels += ["held-out@64"]
+    labels += ["held-out@64", "all@64"]
     rows = [{"category": c} for c in labels]
     assert columns(rows) == {
         "": ["chat", "summary", "in-source", "held-out", "all"],
+        "64": ["chat@64", "summary@64", "in-source@64", "held-out@64", "all@64"],
+    }
+    assert pooled_labels("summary@64") == ["held-out@64", "all@64"]
+    assert pooled_labels("code") == ["in-source", "all"]
+    # a record from before per-length pooling: its one "all" row spans both lengths, and is shown nowhere
+    old = [{"category": c} for c in labels if c != "all@64"]
+    assert columns(old) == {
+        "": ["chat", "summary", "in-source", "held-out"],
         "64": ["chat@64", "summary@64", "in-source@64", "held-out@64"],
     }
-    assert pooled_labels("summary@64") == ["held-out@64", "all"]
-    assert pooled_labels("code") == ["in-source", "all"]
+
+
+def test_each_lengths_table_totals_its_own_rows():
+    """The totals of the table at 256 tokens (tok/s, acceptance, same as plain) are its own rows': a 64-token
+    and a 256-token tally of one method give two tables with their own figures."""
+
+    def row(category, tau, speedup, tps, identical):
+        figures = {"tau": tau, "speedup": speedup, "speedup_median_of_prompts": speedup}
+        figures |= {"tokens_per_second": tps, "plain_tokens_per_second": tps / speedup}
+        figures |= {"acceptance_per_depth": [tau / 10], "prompts": 1, "identical_to_plain": identical}
+        return {"method": "M", "tree": "t", "temperature": 0.0, "category": category} | figures
+
+    rows = [row("chat", 3.0, 2.0, 20.0, 1), row("all", 3.0, 2.0, 20.0, 1)]
+    rows += [row("chat@256", 5.0, 8.0, 256.0, 0), row("all@256", 5.0, 8.0, 256.0, 0)]
+    text = render({**RECORD, "rows": rows, "sizing": {}, "best_first_sizing": {}})
+    short, long = [line for line in text.splitlines() if line.startswith("| M |")]
+    assert short.split(" | ")[2:6] == ["3.00 / 2.00x (2.00x)", "3.00 / 2.00x (2.00x)", "20.0", "10.0"]
+    assert short.endswith("| 0.30 | 1/1 |") and long.endswith("| 0.50 | 0/1 |")
+    assert long.split(" | ")[2:6] == ["5.00 / 8.00x (8.00x)", "5.00 / 8.00x (8.00x)", "256.0", "32.0"]
 
 
 def test_at_lengths_adds_a_column_per_category_at_each_later_length():
@@ -323,3 +375,12 @@ def test_loops_finds_a_reply_that_ends_repeating_itself():
     assert loops(list(range(40)) + [1, 2, 3] * 30)  # a 3-token loop fills the second half
     assert not loops(list(range(200)))
     assert not loops([5, 6, 7])  # too short to tell
+
+
+def test_the_batch_tables_tau_pools_the_rows_as_bench_md_does():
+    """A row of 21 tokens in 5 passes (tau 4) and one of 51 in 50 (tau 1): 70 tokens over 55 passes, 1.27,
+    not the mean of the two rows' taus (2.5)."""
+    from benchmarks.batch import pooled_tau
+
+    assert pooled_tau([21, 51], [5, 50]) == pytest.approx(70 / 55)
+    assert pooled_tau([1], [0]) == 1.0  # a reply of one token: no verify pass, as `generate` counts it

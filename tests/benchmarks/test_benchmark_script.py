@@ -251,7 +251,7 @@ def test_bench_reports_held_out_sources_at_two_lengths_and_chains(
     printed = capsys.readouterr().out
     categories = ("chat", "instruction", "code", "summary", "open_qa", "creative", "system", "followup")
     pooled = ("in-source", "held-out")
-    expected = {*categories, *pooled, "all"} | {f"{c}@10" for c in (*categories, *pooled)}
+    expected = {*categories, *pooled, "all"} | {f"{c}@10" for c in (*categories, *pooled, "all")}
     assert {r["category"] for r in results["rows"]} == expected
     assert {r["method"] for r in results["rows"]} == {"EAGLE-3 dynamic", "EAGLE-3 chain 2", "P-EAGLE chain 2"}
     for row in results["rows"]:

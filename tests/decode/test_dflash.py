@@ -11,7 +11,7 @@ from decode import BestFirstTree, generate, prepare
 from decode.drafters.dflash import DFlashDrafter
 from heads.dflash import DFlashConfig, DFlashHead, dflash_layers
 from heads.features import FeatureCapture
-from train.block_losses import dflash_anchors, dflash_block_logits, dflash_loss
+from train.block_losses import dflash_anchors, dflash_block_logits, dflash_loss, dflash_slots
 
 
 def _head(target, block=5, vocab=None, layers=2, seed=0):
@@ -161,6 +161,23 @@ def test_anchors_are_distinct_learnable_positions_with_a_learnable_successor():
     assert len(first) == 5 and len(set(first.tolist())) == 5
     assert all(4 <= a <= 10 for a in first.tolist())
     assert anchors[1][valid[1]].tolist() == [9] and valid[1].sum() == 1
+
+
+def test_a_block_scores_its_slots_up_to_the_first_that_is_not_a_reply_token():
+    """Two replies with a 4-token user turn between them: a block of 8 from the end of the first reaches into
+    the second. Its slots past the first reply's end are not scored, those in the next reply neither: they
+    would learn a reply from masks standing for a user turn the draft never sees."""
+    mask = torch.zeros(1, 24, dtype=torch.long)
+    mask[0, 8:14] = 1
+    mask[0, 18:24] = 1
+    starts = torch.arange(7, 23).unsqueeze(0)
+    labels, slots = dflash_slots(mask, starts, torch.ones_like(starts, dtype=torch.bool), 8)
+    assert slots[0, 11 - 7].tolist() == [1, 1, 0, 0, 0, 0, 0]  # tokens 12, 13 (end of turn), then the gap
+    assert slots[0, 17 - 7].tolist() == [1, 1, 1, 1, 1, 1, 0]  # 18 .. 23, then past the end
+    for row, mask_row in zip(slots[0], mask[0, labels[0]], strict=True):
+        scored = row.int().tolist()
+        assert scored == sorted(scored, reverse=True)  # a prefix of the block
+        assert all(mask_row[: sum(scored)])
 
 
 @pytest.mark.parametrize(

@@ -105,7 +105,9 @@ def test_a_head_trained_on_the_targets_continuation_drafts_it(build_target):
 
 def test_chains_are_whole_nested_and_shrink_with_depth():
     """Depth d keeps about max(ratio**d, min_ratio) of the scored positions, every kept chain has all its
-    shallower placeholders, and every placeholder scores a token to learn."""
+    shallower placeholders, and every placeholder scores a token to learn, as does its anchor's depth-0 row
+    (an anchor at the end of the assistant header, whose depth-0 token is the header's newline, is not one
+    decoding drafts from)."""
     mask = torch.zeros(2, 40, dtype=torch.long)
     mask[0, 5:] = 1
     mask[1, 10:20] = 1
@@ -115,6 +117,7 @@ def test_chains_are_whole_nested_and_shrink_with_depth():
         for a, d in pairs:
             assert d == 1 or (a, d - 1) in pairs
             assert a + d + 2 < 40 and mask[r, a + d + 2] == 1
+            assert mask[r, a + 2] == 1, (r, a, d)  # its depth-0 token too: a prefix decoding drafts from
     scored = int(mask[0, 2:].sum())
     per_depth = [int(((depth[0] == d) & valid[0]).sum()) for d in range(1, 5)]
     assert scored == 35 and per_depth == [21, 13, 8, 7]  # ceil(35 * max(0.6 ** d, 0.2))

