@@ -153,6 +153,8 @@ def measure_propose_cost(
     its heads and their lm_head; EAGLE: a draft forward over them) and then drafting the tree (greedy), after
     the target prefilled `context`. A head packed for a tree (`decode.layout.pack_linears`) is packed as
     `decode.prepare.pack_for_tree` packs it for each tree while it is measured, and as it was afterwards."""
+    if advance_tokens < 1 or repeats < 1:
+        raise ValueError(f"advance_tokens and repeats must be >= 1, got {advance_tokens} and {repeats}")
     drafter = make_drafter(heads, model, batch)
     features, tokens, root, keep = _probe(model, drafter.feature_layers, context, advance_tokens)
     drafter.start([context[0]] * batch)
@@ -187,6 +189,7 @@ class Calibration:
     verify_cost: dict[int, float]  # seconds of one target forward over n tree tokens
     candidates: list[Candidate]  # best first; empty when no draft was ever accepted
     measure_propose: Callable[[DynamicTree | list[tuple[int, ...]]], float]  # seconds to draft a given tree
+    max_depth: int | None = None  # the drafter's depth limit (None: as deep as a tree asks)
 
     @property
     def plain_tokens_per_second(self) -> float:
@@ -204,9 +207,10 @@ class Calibration:
             raise ValueError(
                 f"the cost model prices trees of a fixed size; {tree_label(tree)} has a min_prob bound"
             )
-        if isinstance(tree, DynamicTree):
-            expected, _ = best_tree(self.acceptance, tree.total_tokens, tree.depth, tree.top_k, tree.top_k)
-            nodes, depth, top_k = tree.total_tokens, tree.depth, tree.top_k
+        if isinstance(tree, DynamicTree):  # the nodes and levels the drafter can grow, not those asked for
+            depth = tree.depth if self.max_depth is None else min(tree.depth, self.max_depth)
+            nodes, top_k = tree.nodes(self.max_depth), tree.top_k
+            expected, _ = best_tree(self.acceptance, nodes, depth, top_k, top_k)
         else:
             paths = [tuple(p) for p in tree]
             expected = 1.0
@@ -233,6 +237,19 @@ class Calibration:
             "propose_seconds": propose_seconds,
             "tokens_per_second": expected / (verify_seconds + propose_seconds),
         }
+
+
+def _check_search(verify_sizes: Sequence[int], max_depth: int, max_top_k: int, repeats: int) -> None:
+    """Refuse a calibration that would measure nothing to search: C_T(1) and at least one larger size (the
+    draft budgets run 1 .. max(verify_sizes) - 1), at least one level and one rank, at least one timing."""
+    if 1 not in verify_sizes or max(verify_sizes) < 2:
+        raise ValueError(
+            f"verify_sizes must include 1 (plain decoding's cost) and a larger size (the tree's), "
+            f"got {list(verify_sizes)}"
+        )
+    for name, value in (("max_depth", max_depth), ("max_top_k", max_top_k), ("repeats", repeats)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
 
 
 @torch.no_grad()
@@ -264,14 +281,14 @@ def calibrate(
         heads: MedusaHeads or EagleHead.
         prompts: (1, T) prompt ids.
     """
-    if 1 not in verify_sizes:
-        raise ValueError(f"verify_sizes must include 1 (plain decoding's cost), got {list(verify_sizes)}")
+    _check_search(verify_sizes, max_depth, max_top_k, repeats)
     acceptance, propose_cost, measure_propose, grid = _draft_model(
         model, heads, prompts, max_new_tokens, max(verify_sizes), max_depth, max_top_k, repeats
     )
     verify_cost = measure_verify_cost(model, prompts[0], verify_sizes, repeats)
     candidates = size_tree(acceptance, verify_cost, propose_cost, **grid)
-    return Calibration(acceptance, verify_cost, candidates, measure_propose)
+    max_depth = make_drafter(heads, model, 1).limits().max_depth
+    return Calibration(acceptance, verify_cost, candidates, measure_propose, max_depth)
 
 
 def _draft_model(
@@ -378,8 +395,7 @@ def calibrate_batches(
     `choices` are
     `decode.sizing.batch_policy`'s pick per batch size; `adaptive()` makes a policy that also follows the
     acceptance of the batch it decodes."""
-    if 1 not in verify_sizes:
-        raise ValueError(f"verify_sizes must include 1 (plain decoding's cost), got {list(verify_sizes)}")
+    _check_search(verify_sizes, max_depth, max_top_k, repeats)
     acceptance, _, _, grid = _draft_model(
         model,
         heads,
@@ -412,7 +428,7 @@ class BudgetChoice:
     """One `BestFirstTree` budget priced on this machine: measured tau, measured costs, predicted speed."""
 
     budget: int
-    tau: float  # tokens per step on the calibration prompts (greedy), bonus token included
+    tau: float  # tokens per verify pass on the calibration prompts (greedy, pooled), bonus token included
     verify_seconds: float  # C_T(budget + 1)
     propose_seconds: float  # the block drafter's work per step with this tree
     plain_seconds: float  # C_T(1): plain decoding's cost per token
@@ -449,8 +465,9 @@ def size_best_first(
             out = generate(
                 model, ids.reshape(1, -1), heads, max_new_tokens=max_new_tokens, tree=BestFirstTree(budget)
             )
-            tokens, steps = tokens + out.one.new_tokens, steps + out.one.steps
-        taus[budget] = tokens / max(steps, 1)
+            # the first token comes from the prefill, not a verify pass (tau as `generate` and bench.md say)
+            tokens, steps = tokens + max(out.one.new_tokens - 1, 0), steps + out.one.steps
+        taus[budget] = tokens / steps if steps else 1.0
     verify = measure_verify_cost(model, prompts[0], sorted({1, *(b + 1 for b in budgets)}), repeats)
     propose = measure_propose_cost(model, heads, prompts[0], [BestFirstTree(b) for b in budgets], repeats)
     choices = [

@@ -212,7 +212,7 @@ def pack_for_tree(
             device=target.device,
             temperature=temperature,
         )
-        rows.add(verify_rows(resolved))
+        rows.add(verify_rows(resolved, limits.max_depth))
         for head in _head_parts(source):  # a composite's head part is packed for the rows it drafts itself
             own = limits if head is source else make_drafter(head, target, 1).limits()
             pack_linears(head, head_rows(own, resolved), force=force)

@@ -20,6 +20,7 @@ approximate.
 from __future__ import annotations
 
 import heapq
+import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -129,9 +130,11 @@ def interpolate(costs: dict[int, float], n: int) -> float:
     sizes = sorted(costs)
     if n <= sizes[0]:
         return costs[sizes[0]]
-    if n >= sizes[-1]:  # extrapolate with the last segment's slope
+    if n >= sizes[-1]:  # extrapolate with the last segment's slope (one measured size: held flat)
+        if len(sizes) == 1:
+            return costs[sizes[0]]
         lo, hi = sizes[-2], sizes[-1]
-        return costs[hi] + (n - hi) * (costs[hi] - costs[lo]) / (hi - lo) if len(sizes) > 1 else costs[hi]
+        return costs[hi] + (n - hi) * (costs[hi] - costs[lo]) / (hi - lo)
     hi = next(s for s in sizes if s >= n)
     lo = max(s for s in sizes if s <= n)
     return costs[lo] if hi == lo else costs[lo] + (n - lo) * (costs[hi] - costs[lo]) / (hi - lo)
@@ -207,6 +210,9 @@ def size_tree(
 def monotone_costs(costs: dict[int, float]) -> dict[int, float]:
     """{n: min over m >= n of costs[m]}: the cost of n tree tokens, padding to a larger size where that is
     cheaper."""
+    bad = {n: c for n, c in costs.items() if not (math.isfinite(c) and c > 0)}
+    if bad:
+        raise ValueError(f"costs must be finite and > 0 seconds, got {bad}")
     out, best = {}, float("inf")
     for n in sorted(costs, reverse=True):
         best = min(best, costs[n])
@@ -366,9 +372,9 @@ class AdaptivePolicy(TreePolicy):
         probe_every: int = 16,
         time_prior: float | None = 4.0,
     ) -> None:
-        if prior_weight <= 0:
+        if not prior_weight > 0:  # (NaN fails every comparison: `<= 0` let it through)
             raise ValueError(f"prior_weight must be > 0, got {prior_weight}")
-        if time_prior is not None and time_prior <= 0:
+        if time_prior is not None and not time_prior > 0:
             raise ValueError(f"time_prior must be > 0 (or None), got {time_prior}")
         if not 0 < decay <= 1:
             raise ValueError(f"decay must be in (0, 1], got {decay}")

@@ -60,6 +60,13 @@ class DynamicTree:
         if not 0.0 <= self.min_prob < 1.0:
             raise ValueError(f"DynamicTree.min_prob must be in [0, 1), got {self.min_prob}")
 
+    def nodes(self, max_depth: int | None = None) -> int:
+        """The most draft nodes this tree holds: `total_tokens`, or fewer where its levels cannot hold that
+        many (`top_k` at the first level, `top_k`^2 at each deeper one, `decode.propose`), over `depth` levels
+        or a drafter's `max_depth` where that is less."""
+        depth = self.depth if max_depth is None else max(1, min(self.depth, max_depth))
+        return min(self.total_tokens, self.top_k + (depth - 1) * self.top_k**2)
+
 
 @dataclass(frozen=True)
 class BestFirstTree:
@@ -96,12 +103,14 @@ def tree_label(tree: DynamicTree | BestFirstTree | str | Sequence[Sequence[int]]
     return f"static, {len(paths)} nodes, depth {max((len(p) for p in paths), default=0)}"
 
 
-def verify_rows(tree: DynamicTree | TreeBuffers | str | Sequence[Sequence[int]]) -> int:
+def verify_rows(
+    tree: DynamicTree | TreeBuffers | str | Sequence[Sequence[int]], max_depth: int | None = None
+) -> int:
     """Tokens one verify forward passes for this tree, root included (a dynamic tree's when the drafter
-    reaches its full size, which a `min_prob` bound makes a maximum): what `decode.prepare` packs the target's
-    weights for."""
+    reaches its full size, which a `min_prob` bound makes a maximum; `max_depth`: the drafter's depth limit,
+    `DynamicTree.nodes`): what `decode.prepare` packs the target's weights for."""
     if isinstance(tree, DynamicTree):
-        return tree.total_tokens + 1
+        return tree.nodes(max_depth) + 1
     if isinstance(tree, BestFirstTree):
         return tree.budget + 1
     if isinstance(tree, TreeBuffers):

@@ -45,6 +45,7 @@ from engines.formats import (
 from heads.dflash import DFlashConfig, DFlashHead
 from heads.eagle import EagleConfig, EagleHead
 from heads.features import from_input_convention, to_input_convention
+from heads.files import UMASK
 from heads.io import check_head_matches_target, load_heads, read_head_config
 from heads.medusa import MedusaConfig, MedusaHeads
 from heads.peagle import PEagleConfig, PEagleHead
@@ -396,6 +397,7 @@ def export_head(
         raise FileExistsError(f"{out_dir} exists and is not empty; export into a new folder")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp"))
+    staging.chmod(0o777 & ~UMASK)  # mkdtemp makes 0700: a server running as another user could not read it
     try:
         config_file, weights_file = FILES[fmt]
         (staging / config_file).write_text(json.dumps(config, indent=2) + "\n")

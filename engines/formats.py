@@ -5,6 +5,7 @@ the layouts."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -42,6 +43,11 @@ def _bad_ids(ids, low: int, high: int | None = None) -> list:
         for i in ids
         if isinstance(i, bool) or not isinstance(i, int) or i < low or (high is not None and i >= high)
     ]
+
+
+def _out_of_order(ids) -> bool:
+    """Tap ids listed out of layer order (`heads.typed.check_tap_order`: the engines concatenate in order)."""
+    return any(b < a for a, b in itertools.pairwise(ids))
 
 
 def _count(config: dict, key: str, low: int, errors: list[str]) -> int | None:
@@ -123,6 +129,8 @@ def _eagle_expected_shapes(
     low = 1 if TAP_CONVENTION[fmt] == "input" else 0  # input-to-layer id 0 is the embeddings' output
     if _bad_ids(ids, low):
         errors.append(f"tap ids must be integers >= {low} ({TAP_CONVENTION[fmt]}-of-layer ids), got {ids!r}")
+    elif _out_of_order(ids):
+        errors.append(f"tap ids must be in increasing layer order (engines concatenate taps so), got {ids!r}")
     if convention is not None and convention != TAP_CONVENTION[fmt]:
         errors.append(
             f"tap ids are in the {convention!r}-of-layer convention, {fmt} expects {TAP_CONVENTION[fmt]!r}"
@@ -172,6 +180,8 @@ def _dflash_expected_shapes(config: dict, errors: list[str]) -> dict[str, tuple[
         layers = config.get("num_target_layers")
         span = f"[0, {layers})" if layers is not None else ">= 0"
         errors.append(f"dflash_config.target_layer_ids must be integer layer ids {span}, got {ids!r}")
+    elif _out_of_order(ids):
+        errors.append(f"dflash_config.target_layer_ids must be in increasing layer order, got {ids!r}")
     vocab = config.get("vocab_size")
     if _bad_ids([mask], 0, vocab if isinstance(vocab, int) else None):
         errors.append(f"dflash_config.mask_token_id must be a token id in [0, {vocab}), got {mask!r}")

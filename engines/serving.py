@@ -25,10 +25,17 @@ SPEC_COUNTERS = (
 PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
 
 
-def vllm_export(head_type: str) -> tuple[str, str]:
-    """(export format, vLLM method) for a head type; ValueError naming the types vLLM serves otherwise."""
+def vllm_export(head_type: str, head_config: dict | None = None) -> tuple[str, str]:
+    """(export format, vLLM method) for a head type (and its checkpoint's head_config, where given);
+    ValueError naming the types vLLM serves otherwise, or the part of this head vLLM would drop."""
     if head_type not in VLLM_EXPORT:
         raise ValueError(f"vLLM serves {sorted(VLLM_EXPORT)} heads, not {head_type!r}")
+    if head_type == "eagle1" and (head_config or {}).get("fc_bias"):
+        raise ValueError(
+            "vLLM builds EAGLE-1's fc without a bias and skips fc.bias when it loads (a debug log, no "
+            "error): this head would draft without its bias; the eagle1 export still serves it in the "
+            "official EAGLE code"
+        )
     return VLLM_EXPORT[head_type]
 
 

@@ -30,7 +30,7 @@ from heads.eagle import (
     write_draft_vocab,
 )
 from heads.features import find_decoder_layers
-from heads.typed import check_int_ids
+from heads.typed import check_int_ids, check_tap_order
 
 HEAD_TYPE = "dflash"
 
@@ -68,6 +68,7 @@ class DFlashConfig:
         self.target_hidden_size = self.target_hidden_size or self.hidden_size
         self.draft_vocab_size = self.draft_vocab_size or self.vocab_size
         self.aux_layer_ids = check_int_ids(self.aux_layer_ids, "aux_layer_ids")
+        check_tap_order(self.aux_layer_ids, "aux_layer_ids")
         check_rope_parameters(self.rope_parameters)
         if not self.aux_layer_ids:
             raise ValueError("a dflash head needs aux_layer_ids (the tapped target layers)")

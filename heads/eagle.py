@@ -22,7 +22,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from heads.features import LAST, default_eagle3_layers
-from heads.typed import check_int_ids, misspelt
+from heads.typed import check_int_ids, check_tap_order, misspelt
 
 HEAD_TYPES = ("eagle1", "eagle3")
 
@@ -60,6 +60,7 @@ class EagleConfig:
         self.draft_vocab_size = self.draft_vocab_size or self.vocab_size
         if self.aux_layer_ids is not None:
             self.aux_layer_ids = check_int_ids(self.aux_layer_ids, "aux_layer_ids")
+            check_tap_order(self.aux_layer_ids, "aux_layer_ids")
         check_rope_parameters(self.rope_parameters)
         if self.head_type != "eagle1" and (self.aux_layer_ids is None or len(self.aux_layer_ids) == 0):
             raise ValueError(f"an {self.head_type} head needs aux_layer_ids (the tapped target layers)")

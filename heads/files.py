@@ -30,11 +30,22 @@ def atomic_write(dest: str | Path, write: Callable[[Path], object]) -> Path:
     os.close(fd)
     try:
         write(Path(tmp))
+        os.chmod(tmp, 0o666 & ~UMASK)  # mkstemp makes 0600: give the file the mode any new file gets
         os.replace(tmp, dest)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
     return dest
+
+
+def _umask() -> int:
+    """This process's umask (read by setting it and setting it back: once, at import, before any thread)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+UMASK = _umask()
 
 
 def write_text(dest: str | Path, text: str) -> Path:

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import secrets
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -25,8 +26,9 @@ FORMAT_VERSION = 1
 # the top-level config.json keys that saving writes and loading reads (the others are notes)
 READ_KEYS = frozenset({
     "head_type", "format_version", "base_model", "base_revision", "hidden_size", "vocab_size", "head_config",
-    "base_model_type", "base_num_hidden_layers",
+    "base_model_type", "base_num_hidden_layers", "save_id",
 })  # fmt: skip
+SAVE_ID = "save_id"  # in config.json and the weights' metadata: which save wrote each (`save_heads`)
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 Head = MedusaHeads | EagleHead
@@ -114,7 +116,11 @@ def save_heads(
         config["base_num_hidden_layers"] = text.num_hidden_layers
     config.update(extra or {})
     state = {k: v.detach().cpu().contiguous().clone() for k, v in head.state_dict().items()}
-    atomic_write(path / WEIGHTS_NAME, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
+    # one id in both files: a save killed between them leaves a pair that `load_heads` refuses, not new
+    # weights read under the old config
+    config[SAVE_ID] = secrets.token_hex(8)
+    metadata = {"format": "pt", SAVE_ID: config[SAVE_ID]}
+    atomic_write(path / WEIGHTS_NAME, lambda tmp: save_file(state, tmp, metadata=metadata))
     write_json(path / CONFIG_NAME, config)
     return path
 
@@ -214,15 +220,39 @@ def load_heads(
         raise FileNotFoundError(f"{weights}: missing head weights")
     try:
         state = load_file(weights)
+        with safe_open(weights, "pt") as file:
+            written = (file.metadata() or {}).get(SAVE_ID)
     except (SafetensorError, OSError) as err:
         raise ValueError(f"{weights}: corrupt or unreadable safetensors file ({err})") from err
+    if written is not None and config.get(SAVE_ID) is not None and written != config[SAVE_ID]:
+        raise ValueError(
+            f"{path}: {WEIGHTS_NAME} (save {written}) and {CONFIG_NAME} (save {config[SAVE_ID]}) come from "
+            "different saves (one killed between its two files?): save the head again"
+        )
     _load_state_strict(head, state, weights)
     if isinstance(target, nn.Module):
         dtype = dtype if dtype is not None else getattr(target, "dtype", None)
         device = device if device is not None else getattr(target, "device", None)
     if dtype is not None:
-        head.to(dtype=dtype)
+        cast_keeping_rotary(head, dtype)
     return head.to(device if device is not None else "cpu").eval()
+
+
+ROTARY_BUFFERS = ("inv_freq", "original_inv_freq")
+
+
+def cast_keeping_rotary(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """`module.to(dtype)` except for its rotary frequencies, kept as they are (fp32): a transformers target
+    loaded in bf16 keeps its own so, and training computes them so (in bf16 the angle at position 1,024 is
+    off by up to 1.4 rad at SmolLM2's head size)."""
+    kept = {
+        name: buffer for name, buffer in module.named_buffers() if name.rpartition(".")[2] in ROTARY_BUFFERS
+    }
+    module.to(dtype=dtype)
+    for name, buffer in kept.items():
+        owner, _, attribute = name.rpartition(".")
+        module.get_submodule(owner)._buffers[attribute] = buffer  # (keeps the buffer's persistence)
+    return module
 
 
 def _load_state_strict(head: nn.Module, state: dict, source: Path) -> None:

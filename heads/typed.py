@@ -8,9 +8,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import itertools
 import numbers
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
 T = TypeVar("T")
@@ -39,6 +40,17 @@ def check_int_ids(ids, name: str, low: int = 0) -> tuple[int, ...]:
             raise ValueError(f"{name} must hold integer ids >= {low}, got {i!r} in {list(ids)!r}")
         out.append(int(i))
     return tuple(out)
+
+
+def check_tap_order(ids: Sequence[int], name: str) -> None:
+    """Refuse tap ids out of layer order: vLLM and SGLang concatenate a head's taps in layer order whatever
+    order its config lists them in, so a head trained on another order would read its features permuted
+    (no error, fewer drafts accepted)."""
+    if any(b < a for a, b in itertools.pairwise(ids)):
+        raise ValueError(
+            f"{name} must be in increasing layer order (the engines concatenate taps in layer order), "
+            f"got {list(ids)!r}"
+        )
 
 
 def build_dataclass(

@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     config = read_head_config(head_dir)
     if config.get("base_model") not in (None, DEFAULT_TARGET):  # the prompts and the target are the default's
         raise SystemExit(f"{head_dir}: a head for {config['base_model']}, not for {DEFAULT_TARGET}")
-    fmt, method = vllm_export(config["head_type"])
+    fmt, method = vllm_export(config["head_type"], config["head_config"])
     default_drafts, speculative = vllm_drafting(config["head_type"], config["head_config"])
     drafts = args.drafts or default_drafts
 

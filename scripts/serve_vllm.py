@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     args, extra = parser.parse_args(argv[:cut]), argv[cut + 1 :]
 
     config = read_head_config(args.head_dir)
-    fmt, method = vllm_export(config["head_type"])
+    fmt, method = vllm_export(config["head_type"], config["head_config"])
     default_drafts, speculative = vllm_drafting(config["head_type"], config["head_config"])
     args.num_speculative_tokens = args.num_speculative_tokens or default_drafts
     name = args.target or config.get("base_model") or DEFAULT_TARGET

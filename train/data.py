@@ -22,6 +22,9 @@ _ROLES = {  # ShareGPT and OpenAI role names -> the names chat templates expect
     "human": "user", "user": "user", "system": "system",
     "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "bing": "assistant",
 }  # fmt: skip
+# a row's "finish_reason": none (a chat from elsewhere), "stop" (its reply ended itself), or how
+# `train.regen` cut it ("length": the cap; "loop": a loop); the end-of-turn after a cut is no target
+FINISH_REASONS = (None, "stop", "length", "loop")
 
 
 class BadRow(ValueError):
@@ -306,7 +309,10 @@ def build_dataset(
             try:
                 if isinstance(row, Exception):
                     raise row
-                messages, cut = to_messages(row), row.get("finish_reason") in ("length", "loop")
+                reason = row.get("finish_reason")
+                if reason not in FINISH_REASONS:  # an unknown one trained the end-of-turn after a cut reply
+                    raise BadRow(f"'finish_reason': expected one of {FINISH_REASONS[1:]}, got {reason!r}")
+                messages, cut = to_messages(row), reason in ("length", "loop")
                 trimmed = None
                 if trim_loops and messages[-1]["role"] == "assistant":
                     trimmed = trim_loop(str(messages[-1]["content"]), trim_loops)

@@ -292,6 +292,7 @@ def main(cfg: EagleRunConfig) -> None:
         head.feature_layers,
         draft_logits or target.get_output_embeddings(),
         softcap=None if draft_logits is not None else softcap,
+        target=target,
     )
     capture = FeatureCapture(target, head.feature_layers)  # its hooks are on inside `with capture:` below
 

@@ -190,7 +190,7 @@ def main(cfg: MedusaRunConfig) -> None:
     run = prepare_run(accelerator, cfg, step_module, groups, train_set)
 
     # 4. final states from the target online, or from a dump (scripts/dump_hidden_states.py, Medusa-1)
-    rows, collate_fn = offline_rows(cfg.data, train_set, pad_id, None, None)
+    rows, collate_fn = offline_rows(cfg.data, train_set, pad_id, None, None, target=None if joint else target)
     eval_copy = {}  # Medusa-2 under ZeRO-3 / FSDP2: the main process's own adapted target for simulated tau
 
     def loss(batch: dict, step: int) -> tuple[Tensor, dict[str, Tensor]]:

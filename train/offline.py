@@ -195,14 +195,19 @@ def _write_index(out: Path, index: dict) -> None:
     write_json(out / INDEX_FILE, index)
 
 
-def weights_digest(model: nn.Module) -> str:
-    """A short fingerprint of a model's weights (the first 4,096 values of its first and last three tensors):
-    tells a fine-tuned or other revision of the same architecture apart without hashing every weight."""
+def weights_digest(model: nn.Module) -> str | None:
+    """A short fingerprint of a model's weights: 4,096 values spread over each tensor, with its name and
+    shape (it read the first values of the first and last three tensors only, blind to the middle layers):
+    tells a fine-tuned or other revision of the same architecture apart without hashing every weight. None
+    where some tensor is sharded or not materialised (ZeRO-3, FSDP, meta): the digest cannot be read."""
     digest = hashlib.sha256()
-    params = list(model.state_dict().items())
-    for name, tensor in params[:3] + params[-3:]:
-        digest.update(name.encode())
-        digest.update(tensor.detach().flatten()[:4096].float().cpu().numpy().tobytes())
+    for name, tensor in model.state_dict().items():
+        if tensor.is_meta or tensor.numel() == 0 or type(tensor).__name__ == "DTensor":
+            return None
+        flat = tensor.detach().reshape(-1)
+        digest.update(f"{name}{tuple(tensor.shape)}".encode())
+        sample = flat[:: max(1, flat.numel() // 4096)][:4096]  # rounded to bf16: a bf16 copy reads the same
+        digest.update(sample.to(torch.bfloat16).float().cpu().numpy().tobytes())
     return digest.hexdigest()[:16]
 
 
@@ -263,6 +268,20 @@ class OfflineStates:
 
     def __len__(self) -> int:
         return self.index["examples"]
+
+    def check_target(self, target: nn.Module | None) -> None:
+        """Raise where the dump was written from another target than `target` (the weights' digest differs:
+        another model or revision of the same tokenizer, whose states the head would learn beside this
+        target's lm_head). Not checked where either digest cannot be read (sharded weights, an old dump)."""
+        recorded = self.index.get("target_digest")
+        ours = weights_digest(target) if target is not None and recorded else None
+        if ours is not None and ours != recorded:
+            raise ValueError(
+                f"{self.root}: written from another target ({self.index.get('target')!r}, weights digest "
+                f"{recorded}) than this run's ({getattr(target.config, '_name_or_path', None)!r}, {ours}; "
+                "dumps written before selfspec read every layer for it differ too): dump again into an "
+                "empty folder"
+            )
 
     def check_matches(self, dataset: Dataset) -> None:
         """Raise unless the dump holds `dataset`'s examples, token for token, in order."""
@@ -334,6 +353,7 @@ def offline_rows(
     layer_ids: tuple[int, ...] | None,
     lm_head: nn.Module | None,
     softcap: float | None = None,
+    target: nn.Module | None = None,
 ):
     """(rows to shuffle and shard, collate_fn) for a recipe: the tokenised set itself online (collate_fn
     None); offline, example indices into the dump of `data.offline_dir`, whose batches `OfflineStates.batch`
@@ -347,11 +367,14 @@ def offline_rows(
         lm_head: the target's lm_head to recompute its logits (EAGLE), or None to pass the final states
             (Medusa).
         softcap: the target's final logit soft-capping, if any.
+        target: the target the run trains on: a dump of another one's states is refused
+            (`OfflineStates.check_target`).
     """
     if data.hidden_states == "online":
         return train_set, None
     states = OfflineStates(data.offline_dir, layer_ids, softcap=softcap)
     states.check_matches(train_set)
+    states.check_target(target)
     rows = Dataset.from_dict({"index": list(range(len(train_set))), "loss_mask": train_set["loss_mask"]})
     return rows, lambda batch: states.batch(
         [row["index"] for row in batch], pad_id, lm_head, [row["loss_mask"] for row in batch]

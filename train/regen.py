@@ -3,6 +3,8 @@ biggest lever on acceptance), batched, as resumable JSONL shards. Used by `scrip
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -11,11 +13,14 @@ from torch import Tensor
 from tqdm.auto import tqdm
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from heads.files import write_jsonl
+from heads.files import write_json, write_jsonl
 from train.data import BadRow, _render, pad_token_id, read_rows, to_messages, trim_loop
+from train.offline import weights_digest
 
 LOOP_CHECK_EVERY = 16  # tokens: how often a growing reply is checked for a loop (`stop_loops`)
 DECODING = {"skip_special_tokens": True, "clean_up_tokenization_spaces": False}  # a reply's text as generated
+PARTIAL = "\ufffd"  # what decoding makes of the bytes of a character that a cut reply holds only part of
+SETTINGS_FILE = "regen.json"  # in a regeneration folder: what answered its chats (`check_settings`)
 
 
 @torch.no_grad()
@@ -111,12 +116,22 @@ def reply_loops(ids: list[int], tokenizer: PreTrainedTokenizerBase, keep: int) -
 
 def loop_cut(ids: list[int], tokenizer: PreTrainedTokenizerBase, keep: int) -> list[int] | None:
     """The prefix of a finished reply at which `batched_generate` with `looping=reply_loops(keep)` would
-    have ended it, or None where it would not have: how chats answered before `stop_loops` was set are
-    brought under the same rule."""
+    have ended it (to whole characters, `whole_characters`), or None where it would not have: how chats
+    answered before `stop_loops` was set are brought under the same rule."""
     for length in range(LOOP_CHECK_EVERY, len(ids) + 1, LOOP_CHECK_EVERY):
         if reply_loops(ids[:length], tokenizer, keep):
-            return ids[:length]
+            return whole_characters(ids[:length], tokenizer)
     return None
+
+
+def whole_characters(ids: list[int], tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """A cut reply's ids without the trailing tokens that hold only part of a character (a byte-level
+    tokenizer splits an emoji or a CJK character over tokens): decoded, that part is U+FFFD, which training
+    would tokenize again into tokens the target never produced."""
+    ids = list(ids)
+    while ids and tokenizer.decode(ids, **DECODING).endswith(PARTIAL):
+        ids.pop()
+    return ids
 
 
 def read_prompts(path: str | Path, start: int = 0, limit: int | None = None) -> list[dict]:
@@ -192,25 +207,42 @@ def regenerate(
             cuts these replies where it cuts the whole ones. 0: replies run to a stop token or the cap.
     Returns:
         {"skipped": rows already done, "generated": rows written now, "shards": shards written now,
-        "too_long": prompts left out for max_prompt_tokens, "loops_cut": finished chats cut now}.
+        "too_long": prompts left out for max_prompt_tokens, "loops_cut": finished chats cut now,
+        "partial_characters": finished chats whose cut reply ended in part of a character, trimmed now}.
     Raises:
-        BadRow: a row without "id" or without a user turn, or not a chat.
+        BadRow: a row without "id" or without a user turn, or not a chat, or an id naming two prompts.
+        ValueError: `out_dir` holds chats answered with other settings (`check_settings`).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rows = list(rows)
+    prompts = {}  # id -> prompt, every row checked before anything is written
     for row in rows:
         if "id" not in row:
             raise BadRow(f"prompt row without 'id' (keys: {sorted(row)})")
+        prompt = _prompt(row)
+        if prompts.setdefault(row["id"], prompt) != prompt:  # the second was dropped without a word
+            raise BadRow(f"prompt id {row['id']!r} names two different prompts")
+    check_settings(
+        out,
+        {
+            "target_digest": weights_digest(model),  # (not its path: another machine's differs)
+            "chat_template": hashlib.sha256(str(tokenizer.chat_template).encode()).hexdigest()[:16],
+            "max_new_tokens": max_new_tokens,
+            "temperature": temperature,
+            "seed": seed if temperature > 0 else None,
+        },
+    )
     if drop_stale:
         drop_stale_chats(out, rows)
+    partial = len(trim_partial_characters(out))
     loops_cut = len(cut_looping_chats(out, tokenizer, stop_loops)) if stop_loops > 0 else 0
     done = {row["id"] for path in out.glob("shard-*.jsonl") for _, row in read_rows(path)}
     todo, skipped = {}, 0
     for row in rows:
         skipped += row["id"] in done
         if row["id"] not in done and row["id"] not in todo:
-            todo[row["id"]] = {"id": row["id"], "source": row.get("source"), "messages": _prompt(row)}
+            todo[row["id"]] = {"id": row["id"], "source": row.get("source"), "messages": prompts[row["id"]]}
     todo, too_long = list(todo.values()), 0
     if max_prompt_tokens is not None:
         lengths = [
@@ -253,6 +285,8 @@ def regenerate(
                     looping=looping,
                 )
                 for i, (new_tokens, reason) in zip(batch, outputs):
+                    if reason != "stop":  # cut by the cap or a loop: maybe inside a character
+                        new_tokens = whole_characters(new_tokens, tokenizer)
                     reply = tokenizer.decode(new_tokens, **DECODING)
                     chunk[i]["messages"] = chunk[i]["messages"] + [{"role": "assistant", "content": reply}]
                     chunk[i]["finish_reason"] = reason
@@ -268,6 +302,7 @@ def regenerate(
         "shards": -(-len(todo) // shard_size),
         "too_long": too_long,
         "loops_cut": loops_cut,
+        "partial_characters": partial,
     }
 
 
@@ -309,22 +344,63 @@ def drop_stale_chats(out_dir: str | Path, rows: list[dict]) -> list[str]:
 
 
 def cut_looping_chats(out_dir: str | Path, tokenizer: PreTrainedTokenizerBase, keep: int) -> list[str]:
-    """Cut every finished chat in `out_dir` whose reply ran to the cap ("length") where `stop_loops=keep`
-    would have ended it (`loop_cut` on the reply's tokens), marking it "loop"; each shard that changes is
-    rewritten atomically.
+    """Cut every finished chat in `out_dir` where `stop_loops=keep` would have ended it (`loop_cut` on the
+    reply's tokens), marking it "loop": replies that ran to the cap ("length"), and those that looped on and
+    ended with a stop token later than one loop check after the cut; each shard that changes is rewritten
+    atomically.
 
     Returns:
         the ids cut.
     """
 
     def cut(chat: dict) -> dict:
-        if chat.get("finish_reason") != "length" or chat["messages"][-1]["role"] != "assistant":
+        reason = chat.get("finish_reason")
+        if reason not in ("length", "stop") or chat["messages"][-1]["role"] != "assistant":
             return chat
         ids = tokenizer(chat["messages"][-1]["content"], add_special_tokens=False)["input_ids"]
         prefix = loop_cut(ids, tokenizer, keep)
-        if prefix is None:
-            return chat
+        if prefix is None or (reason == "stop" and len(prefix) + LOOP_CHECK_EVERY > len(ids)):
+            return chat  # (a stop within one check of where the rule would cut: as generation ends it)
         reply = {**chat["messages"][-1], "content": tokenizer.decode(prefix, **DECODING)}
         return {**chat, "messages": [*chat["messages"][:-1], reply], "finish_reason": "loop"}
 
     return _rewrite_chats(out_dir, cut)
+
+
+def trim_partial_characters(out_dir: str | Path) -> list[str]:
+    """Drop the part of a character that ends a cut reply ("length" or "loop") in `out_dir` (U+FFFD, how
+    chats answered before `whole_characters` store it), rewriting each shard that changes atomically.
+
+    Returns:
+        the ids trimmed.
+    """
+
+    def trim(chat: dict) -> dict:
+        reply = chat["messages"][-1] if chat.get("messages") else {}
+        content = reply.get("content")
+        cut = chat.get("finish_reason") in ("length", "loop") and reply.get("role") == "assistant"
+        if not (cut and isinstance(content, str) and content.endswith(PARTIAL)):
+            return chat
+        return {**chat, "messages": [*chat["messages"][:-1], {**reply, "content": content.rstrip(PARTIAL)}]}
+
+    return _rewrite_chats(out_dir, trim)
+
+
+def check_settings(out_dir: str | Path, settings: dict) -> None:
+    """Refuse to add chats to `out_dir` under other settings than its chats were answered with (another
+    target, template, reply cap, temperature or seed: the folder would mix two kinds of reply without a
+    word); the first run writes them (`SETTINGS_FILE`). A folder of chats from before this file is adopted
+    as it is (its settings cannot be read back), with a note."""
+    file = Path(out_dir) / SETTINGS_FILE
+    if not file.is_file():
+        if any(Path(out_dir).glob("shard-*.jsonl")):
+            print(f"{out_dir}: no {SETTINGS_FILE}; its chats are taken as answered with these settings")
+        write_json(file, settings)
+        return
+    recorded = json.loads(file.read_text())
+    changed = [f"{k} {recorded.get(k)!r} -> {v!r}" for k, v in settings.items() if recorded.get(k) != v]
+    if changed:
+        raise ValueError(
+            f"{out_dir}: its chats were answered with other settings ({'; '.join(changed)}): answer into "
+            f"another folder, or remove {file.name} and the shards to start again"
+        )

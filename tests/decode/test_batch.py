@@ -3,6 +3,8 @@ tree verified alone (over two steps, with accepted paths that are not tree prefi
 batched greedy plain decoding equals per-prompt decoding and transformers' own batched generate, with prompts
 of different lengths (left padding) and rows that finish early."""
 
+import copy
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -330,10 +332,24 @@ def test_a_per_step_policy_switches_trees_and_plain_steps_and_stays_lossless(bui
 def test_batch_verify_costs_are_measured_per_batch_size_and_leave_no_trace(build_target):
     from decode.calibrate import measure_batch_verify_cost
 
-    model = build_target("llama")
-    costs = measure_batch_verify_cost(model, torch.randint(0, 128, (1, 6)), [1, 3], [1, 4], repeats=1)
+    model = copy.deepcopy(build_target("llama"))
+    seen = []  # (rows, tokens, columns cached before the forward) of every forward
+    original = model.forward
+
+    def spy(*args, **kwargs):
+        cache = kwargs.get("cache")
+        columns = cache.get_seq_length() if cache is not None else 0
+        seen.append((*kwargs["input_ids"].shape, columns))
+        return original(*args, **kwargs)
+
+    model.forward = spy
+    costs = measure_batch_verify_cost(model, torch.randint(0, 128, (1, 6)), [1, 3], [1, 4], repeats=2)
     assert sorted(costs) == [1, 3] and all(sorted(c) == [1, 4] for c in costs.values())
-    assert all(c[1] <= c[4] and c[1] > 0 for c in costs.values())  # made non-decreasing in n
+    assert all(c[1] > 0 for c in costs.values())
+    # per batch size: its prefill, then every timed verify (a warm-up and a timed pass per size and round)
+    # above the same 6 cached columns: each verify's tokens are dropped before the next
+    rounds = [(n, 6) for _ in range(2) for n in (1, 1, 4, 4)]
+    assert seen == [(1, 6, 0)] + [(1, *r) for r in rounds] + [(3, 6, 0)] + [(3, *r) for r in rounds]
 
 
 def test_an_adaptive_policy_sees_every_rows_acceptance_and_turns_speculation_off(build_target):

@@ -125,7 +125,10 @@ def test_acceptance_pools_the_rows_of_a_batched_run_as_separate_runs(build_targe
     assert rates == rank_acceptance(alone) and 0.3 < rates[0][0] < 0.9
 
 
-def test_batch_calibration_probes_in_batches_and_makes_both_policies(build_target):
+def test_batch_calibration_probes_in_batches_and_makes_both_policies(build_target, monkeypatch):
+    """The probes decode `probe_batch_size` prompts per `generate` call (that the pooled acceptance is then
+    the same is `test_acceptance_pools_the_rows_of_a_batched_run_as_separate_runs`, with drafts accepted:
+    this random head's are not), and both policies come out of one calibration."""
     from decode.calibrate import calibrate_batches
     from decode.sizing import AdaptivePolicy
 
@@ -135,11 +138,51 @@ def test_batch_calibration_probes_in_batches_and_makes_both_policies(build_targe
     generator = torch.Generator().manual_seed(9)
     prompts = [torch.randint(1, 128, (1, n), generator=generator) for n in (5, 7, 4)]
     kwargs = {"max_new_tokens": 6, "verify_sizes": (1, 2, 4), "max_depth": 2, "max_top_k": 2, "repeats": 1}
+    rows, real = [], calibrate_module.generate
+
+    def spy(model, ids, *args, **kw):
+        rows.append((ids.shape[0], kw.get("attention_mask") is not None))
+        return real(model, ids, *args, **kw)
+
+    monkeypatch.setattr(calibrate_module, "generate", spy)
     one = calibrate_batches(model, head, prompts, [1, 2], probe_batch_size=1, **kwargs)
+    assert rows == [(1, False)] * 3
+    rows.clear()
     three = calibrate_batches(model, head, prompts, [1, 2], probe_batch_size=3, **kwargs)
+    assert rows == [(3, True)]  # one left-padded batch of the three prompts
     assert one.acceptance == three.acceptance
     assert sorted(three.verify_cost) == [1, 2] and sorted(three.drafting) == [1, 2]
     assert sorted(three.choices) == [1, 2]
     policy = three.adaptive(probe_every=0)
     assert isinstance(policy, AdaptivePolicy) and policy.probe_every == 0 and policy is not three.adaptive()
     assert policy.tree(2) == three.choices[2].tree  # it starts where the fixed policy is
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"verify_sizes": (1,)}, "and a larger size"),  # nothing to search: it raised IndexError
+        ({"verify_sizes": (2, 4)}, "must include 1"),
+        ({"max_depth": 0}, "max_depth must be >= 1"),
+        ({"max_top_k": 0}, "max_top_k must be >= 1"),
+        ({"repeats": 0}, "repeats must be >= 1"),
+    ],
+)
+def test_a_calibration_that_would_search_nothing_is_refused(build_target, bad, message):
+    from decode.calibrate import calibrate, calibrate_batches
+
+    model = build_target("llama")
+    heads = MedusaHeads(MedusaConfig(hidden_size=32, vocab_size=128, num_heads=2)).eval()
+    with pytest.raises(ValueError, match=message):
+        calibrate(model, heads, [PROMPT], **bad)
+    with pytest.raises(ValueError, match=message):
+        calibrate_batches(model, heads, [PROMPT], [1], **bad)
+
+
+@pytest.mark.parametrize("advance", [0, -3])
+def test_a_drafting_cost_over_no_new_positions_is_refused(build_target, advance):
+    # -3 timed an advance of 29 positions per step (the slices [-keep:] / [:-keep]), 0 raised IndexError
+    model = build_target("llama")
+    heads = MedusaHeads(MedusaConfig(hidden_size=32, vocab_size=128, num_heads=2)).eval()
+    with pytest.raises(ValueError, match="advance_tokens and repeats must be >= 1"):
+        measure_propose_cost(model, heads, PROMPT, [build_tree([(0,)])], advance_tokens=advance)

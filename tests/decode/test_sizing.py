@@ -93,6 +93,7 @@ def test_interpolate():
     costs = {1: 10.0, 4: 16.0, 8: 20.0}
     assert interpolate(costs, 1) == 10.0 and interpolate(costs, 2) == 12.0 and interpolate(costs, 6) == 18.0
     assert interpolate(costs, 0) == 10.0 and interpolate(costs, 12) == 24.0  # flat below, last slope above
+    assert interpolate({1: 0.05}, 2) == 0.05  # one measured size: flat (it raised IndexError)
 
 
 def test_size_tree_trades_acceptance_against_cost():
@@ -135,6 +136,33 @@ def test_measured_acceptance_predicts_tau(build_target, rank_oracle, tree):
         predicted = 1 + sum(torch.tensor([probs[r] for r in p]).prod().item() for p in tree)
         assert best_tree([probs, probs, [probs[0]]], len(tree))[1] == sorted(tree, key=lambda p: (len(p), p))
         assert tau == pytest.approx(predicted, rel=0.08)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -0.01, 0.0])
+def test_monotone_costs_refuse_a_cost_that_is_not_a_positive_time(bad):
+    # a NaN at the largest size became inf, one elsewhere was replaced silently, a negative one was kept
+    with pytest.raises(ValueError, match="finite and > 0"):
+        monotone_costs({1: 0.05, 2: bad, 4: 0.06})
+
+
+def test_a_dynamic_tree_is_priced_and_packed_for_the_nodes_its_levels_hold():
+    """(depth 2, top_k 2) holds 2 + 4 = 6 draft nodes whatever its total_tokens asks: the cost model priced 8
+    and `decode.prepare` packed the target for 9 rows where every verify passes 7."""
+    from decode.calibrate import Calibration
+    from decode.tree import verify_rows
+
+    assert DynamicTree(2, 2, 8).nodes() == 6 and verify_rows(DynamicTree(2, 2, 8)) == 7
+    assert DynamicTree(5, 4, 12).nodes() == 12 and verify_rows(DynamicTree(5, 4, 12)) == 13
+    assert DynamicTree(4, 3, 30).nodes(max_depth=2) == 12 and verify_rows(DynamicTree(4, 3, 30), 2) == 13
+    costs = {1: 0.01, 2: 0.011, 4: 0.012, 8: 0.016, 16: 0.024}
+    calibration = Calibration([[0.5, 0.2], [0.5, 0.2], [0.5]], costs, [], lambda tree: 0.001)
+    asked, holds = calibration.predict(DynamicTree(2, 2, 8)), calibration.predict(DynamicTree(2, 2, 6))
+    assert asked == holds and asked["draft_nodes"] == 6
+    assert asked["verify_seconds"] == pytest.approx(interpolate(costs, 7))
+    shallow = Calibration([[0.5, 0.2], [0.5, 0.2], [0.5]], costs, [], lambda tree: 0.001, max_depth=1)
+    one_level = shallow.predict(DynamicTree(3, 2, 8))  # a drafter of one level (e.g. one Medusa head)
+    assert one_level["draft_nodes"] == 2 and one_level["depth"] == 1
+    assert one_level["expected_tokens"] == pytest.approx(1 + 0.5 + 0.2)
 
 
 def test_monotone_costs_pad_to_a_cheaper_larger_size():
@@ -232,6 +260,8 @@ def test_adaptive_policy_refits_only_every_few_steps_and_refuses_bad_settings():
         ({"prior_weight": 0.0}, "prior_weight must be > 0"),
         ({"decay": 1.5}, "decay must be in"),
         ({"refit_every": 0}, "refit_every must be >= 1"),
+        ({"prior_weight": float("nan")}, "prior_weight must be > 0"),  # NaN passed `<= 0` checks
+        ({"time_prior": float("nan")}, "time_prior must be > 0"),
     ):
         with pytest.raises(ValueError, match=message):
             _adaptive(**bad)

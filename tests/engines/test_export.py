@@ -350,6 +350,7 @@ def test_dflash_validator_range_checks_its_ids_and_needs_the_block_size(tmp_path
         ({"mask_token_id": -1}, "mask_token_id must be a token id in [0, 128), got -1"),
         ({"target_layer_ids": [-3, 9]}, "target_layer_ids must be integer layer ids [0, 4), got [-3, 9]"),
         ({"target_layer_ids": [1.5, 2]}, "target_layer_ids must be integer layer ids [0, 4), got [1.5, 2]"),
+        ({"target_layer_ids": [3, 0]}, "increasing layer order"),  # vLLM taps in layer order: fc permuted
         ({"block_size": None}, "block_size must be an integer >= 2 (the root and its drafts), got None"),
     ):
         config = json.loads(json.dumps(good))
@@ -383,6 +384,19 @@ def test_input_convention_tap_id_0_is_refused_not_read_as_the_last_layer(tmp_pat
             check()
     with pytest.raises(ValueError, match="id 0 is the embeddings' output"):
         from_input_convention([0, 2, 3])
+
+
+def test_eagle3_taps_out_of_layer_order_are_refused_by_the_validator_and_the_import(tmp_path, llama):
+    """vLLM sorts the tap ids (and SGLang captures in layer order): a config listing them otherwise ships a
+    head whose fc reads its column blocks permuted, with no error."""
+    export_head(make_head("eagle3", llama), "speculators", tmp_path / "out", target=llama)
+    _edit_config(tmp_path / "out", lambda c: c.update(eagle_aux_hidden_state_layer_ids=[3, 1, 2]))
+    for check in (
+        lambda: validate_export(tmp_path / "out", "speculators"),
+        lambda: import_head(tmp_path / "out"),
+    ):
+        with pytest.raises(ValueError, match="increasing layer order"):
+            check()
 
 
 def test_medusa_vllm_validator_needs_heads_and_the_full_vocabulary(tmp_path, llama):

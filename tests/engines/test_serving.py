@@ -60,6 +60,10 @@ def test_vllm_export_per_head_type():
     assert vllm_export("peagle") == ("peagle", "eagle3")
     with pytest.raises(ValueError, match="vLLM serves .* not 'lookahead'"):
         vllm_export("lookahead")
+    # vLLM's EAGLE-1 fc has no bias, and its weight loader skips a ".bias" it has no parameter for
+    assert vllm_export("eagle1", {"fc_bias": False}) == ("eagle1", "eagle")
+    with pytest.raises(ValueError, match="without a bias and skips fc.bias"):
+        vllm_export("eagle1", {"fc_bias": True})
 
 
 def test_drafts_per_step_and_parallel_drafting_per_head_type():

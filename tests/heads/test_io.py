@@ -322,3 +322,61 @@ def test_head_follows_the_target_dtype_and_device_unless_told(tmp_path, llama, k
     saved = load_heads(path, bf16_target.config)
     assert {p.dtype for p in saved.parameters() if p.is_floating_point()} == {torch.float32}
     assert {p.device.type for p in saved.parameters()} == {"cpu"}
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash", "peagle"])
+def test_a_bf16_head_keeps_its_rotary_frequencies_in_fp32(tmp_path, llama, kind):
+    """`load_heads(dtype=bf16)` cast the rotary `inv_freq` too: the angles drift by up to 1.4 rad at position
+    1,024 for SmolLM2's head size, where the target (and training) keep fp32 frequencies."""
+    head, path = _export(tmp_path, kind, llama)
+    halves = load_heads(path, llama, dtype=torch.bfloat16)
+    rotary = {
+        n: b for n, b in halves.named_buffers() if n.rpartition(".")[2] in ("inv_freq", "original_inv_freq")
+    }
+    assert rotary and {b.dtype for b in rotary.values()} == {torch.float32}
+    assert all(torch.equal(rotary[n], b) for n, b in head.named_buffers() if n in rotary)
+    assert halves.fc.weight.dtype == torch.bfloat16
+
+
+def test_a_save_killed_between_its_two_files_is_refused(tmp_path, llama, monkeypatch):
+    """The weights are renamed into place before config.json is written: a save killed between them left the
+    new weights beside the old config, and that pair loaded without an error."""
+    from heads import io as io_module
+
+    old = EagleHead(EagleConfig.from_target(llama.config, "eagle3", draft_vocab_size=64))
+    old.set_draft_vocab(torch.randperm(128)[:64])
+    save_heads(old, tmp_path / "head", base_model="org/tiny-llama", target=llama)
+    new = EagleHead(EagleConfig.from_target(llama.config, "eagle3", draft_vocab_size=64, rms_norm_eps=1e-5))
+    new.set_draft_vocab(torch.randperm(128)[:64])
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(io_module, "write_json", killed)
+    with pytest.raises(KeyboardInterrupt):
+        save_heads(new, tmp_path / "head", base_model="org/tiny-llama", target=llama)
+    with pytest.raises(ValueError, match="come from different saves"):
+        load_heads(tmp_path / "head", llama)
+    monkeypatch.undo()
+    save_heads(new, tmp_path / "head", base_model="org/tiny-llama", target=llama)  # saved again: whole
+    assert load_heads(tmp_path / "head", llama).config.rms_norm_eps == 1e-5
+
+
+def test_saved_files_take_the_mode_any_new_file_gets(tmp_path, llama):
+    # mkstemp made every head file 0600 (and export folders 0700): a server running as another user failed
+    from heads.files import UMASK
+
+    _, path = _export(tmp_path, "eagle3", llama)
+    for name in (CONFIG_NAME, WEIGHTS_NAME):
+        assert (path / name).stat().st_mode & 0o777 == 0o666 & ~UMASK, name
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_taps_out_of_layer_order_are_refused(llama, kind):
+    """vLLM sorts a head's tap ids and SGLang captures in layer order: a head trained on (2, 0, 1) would read
+    its fc's column blocks permuted there, with no error."""
+    with pytest.raises(ValueError, match="increasing layer order"):
+        if kind == "eagle3":
+            EagleConfig.from_target(llama.config, "eagle3", aux_layer_ids=(2, 0, 1))
+        else:
+            DFlashConfig.from_target(llama.config, 5, aux_layer_ids=(3, 0))

@@ -95,6 +95,7 @@ def test_shipped_head_is_half_precision_with_its_config_and_card_and_loads_again
         json.loads((src / "config.json").read_text()),
         json.loads((dest / "config.json").read_text()),
     )
+    assert after.pop("save_id") != before.pop("save_id")  # a save of its own (`heads.io.SAVE_ID`)
     assert after == before  # everything the run recorded (target checks, training, step, tau) carried over
     loaded = load_heads(dest, target=target)  # the target's checks pass; cast to its dtype (fp32)
     for name, value in head.state_dict().items():

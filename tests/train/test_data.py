@@ -254,6 +254,14 @@ def test_build_dataset_reads_finish_reason(tmp_path, tokenizers):
     dataset, _ = build_dataset(_write(tmp_path / "regen.jsonl", rows), tokenizers["smollm2"], max_length=128)
     assert sum(dataset[1]["loss_mask"]) - sum(dataset[0]["loss_mask"]) == 1  # <|im_end|> is one token
     assert dataset[2]["loss_mask"] == dataset[0]["loss_mask"]
+    # any other value trained the end-of-turn as a stop the target chose ("max_tokens", "Length", 7 were kept)
+    odd = [{"messages": CHAT[:2], "finish_reason": reason} for reason in ("max_tokens", "Length", 7)]
+    path = _write(tmp_path / "odd.jsonl", [*rows, *odd])
+    _, report = build_dataset(path, tokenizers["smollm2"], max_length=128, max_bad_fraction=1.0)
+    assert report.kept == 3 and report.bad == {"bad_row": 3}
+    assert report.examples[0] == (
+        f"{path}:4: bad_row: 'finish_reason': expected one of ('stop', 'length', 'loop'), got 'max_tokens'"
+    )
 
 
 @pytest.mark.parametrize("name", ["smollm2", "llama3", "gemma"])

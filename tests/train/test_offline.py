@@ -1,6 +1,7 @@
 """Offline hidden states (train/offline.py): a dump + offline training equals online training; a stale dump is
 refused; a run config's dump (scripts/dump_hidden_states.py) holds the taps its head reads."""
 
+import copy
 import json
 from pathlib import Path
 
@@ -12,7 +13,14 @@ import train.offline
 from targets import load_target
 from train.config import EagleRunConfig, load_config
 from train.data import build_dataset
-from train.offline import INDEX_FILE, OfflineStates, dump_for_run, dump_hidden_states, estimate_bytes
+from train.offline import (
+    INDEX_FILE,
+    OfflineStates,
+    dump_for_run,
+    dump_hidden_states,
+    estimate_bytes,
+    weights_digest,
+)
 
 TINY_YAML = Path(__file__).resolve().parents[2] / "configs" / "tiny_test.yaml"
 FAST = ["train.eval_tau_prompts=0", "eagle.draft_vocab_size=256", "data.eval_fraction=0", "train.max_steps=3"]
@@ -128,6 +136,16 @@ def test_resume_refuses_other_taps_or_target_and_a_killed_dump_is_not_trained_on
         model.lm_head.weight.add_(0.01)  # a fine-tune of the same architecture
     with pytest.raises(ValueError, match=r"other settings \(target_digest '\w+' -> '\w+'\)"):
         dump_hidden_states(model, dataset, (0, 1), tmp_path / "states", shard_size=8)
+    # training reads the digest too (only a resume did): the fine-tune's run refuses the original's states
+    states = OfflineStates(tmp_path / "states", (0, 1))
+    with pytest.raises(ValueError, match="written from another target"):
+        states.check_target(model)
+    states.check_target(load_target(str(tiny_target_dir))[0])  # the original target's states: fine
+    middle = load_target(str(tiny_target_dir))[0]
+    with torch.no_grad():  # a change in a middle layer only: the digest read the first and last three tensors
+        middle.model.layers[1].mlp.up_proj.weight.mul_(1.5)
+    assert weights_digest(middle) != weights_digest(load_target(str(tiny_target_dir))[0])
+    assert weights_digest(copy.deepcopy(middle).to(torch.bfloat16)) == weights_digest(middle)  # (a bf16 copy)
 
     calls = []
 
@@ -199,7 +217,8 @@ def test_bf16_dump_stores_bf16_refuses_an_fp32_resume_and_trains(
     for key in ("features.0", "last.0"):  # the same states, rounded once per layer to bf16
         torch.testing.assert_close(stored[key].float(), reference[key], atol=0.1, rtol=0.05, msg=key)
     model, _ = load_target(str(tiny_target_dir))
-    with pytest.raises(ValueError, match=r"other settings \(dtype 'bfloat16' -> 'float32'; "):
+    # (the same target in another dtype: one digest, `weights_digest` reads bf16-rounded values)
+    with pytest.raises(ValueError, match=r"other settings \(dtype 'bfloat16' -> 'float32'\)"):
         dump_hidden_states(model, fp32, taps, states, shard_size=8)
 
     batch = OfflineStates(states, taps).batch([0, 1], pad_id=0, lm_head=model.lm_head)

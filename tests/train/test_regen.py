@@ -4,6 +4,7 @@ scripts/regenerate.py over it."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -15,6 +16,7 @@ from train import regen
 from train.data import BadRow, read_rows, trim_loop
 from train.regen import batched_generate, read_prompts, regenerate
 
+NONE_TRIMMED = {"partial_characters": 0}
 PROMPTS = [
     {"id": f"p{i}", "source": "test", "messages": [{"role": "user", "content": text}]}
     for i, text in enumerate(
@@ -52,7 +54,7 @@ def _shards(folder) -> dict[str, list[dict]]:
 
 def test_writes_shards_of_prompt_plus_greedy_reply(tmp_path, model, tokenizer):
     stats = regenerate(model, tokenizer, PROMPTS, tmp_path, batch_size=2, max_new_tokens=5, shard_size=2)
-    assert stats == {"skipped": 0, "generated": 5, "shards": 3, "too_long": 0, "loops_cut": 0}
+    assert stats == {"skipped": 0, "generated": 5, "shards": 3, "too_long": 0, "loops_cut": 0, **NONE_TRIMMED}
     shards = _shards(tmp_path)
     assert list(shards) == ["shard-00000.jsonl", "shard-00001.jsonl", "shard-00002.jsonl"]
     rows = {row["id"]: row for rows in shards.values() for row in rows}
@@ -81,11 +83,11 @@ def test_second_run_skips_finished_ids_and_adds_new_ones(tmp_path, model, tokeni
     before = _shards(tmp_path)
     again = regenerate(model, tokenizer, PROMPTS[:3], tmp_path, batch_size=2, max_new_tokens=3, shard_size=2)
     assert (
-        again == {"skipped": 3, "generated": 0, "shards": 0, "too_long": 0, "loops_cut": 0}
+        again == {"skipped": 3, "generated": 0, "shards": 0, "too_long": 0, "loops_cut": 0, **NONE_TRIMMED}
         and _shards(tmp_path) == before
     )
     more = regenerate(model, tokenizer, PROMPTS, tmp_path, batch_size=2, max_new_tokens=3, shard_size=2)
-    assert more == {"skipped": 3, "generated": 2, "shards": 1, "too_long": 0, "loops_cut": 0}
+    assert more == {"skipped": 3, "generated": 2, "shards": 1, "too_long": 0, "loops_cut": 0, **NONE_TRIMMED}
     after = _shards(tmp_path)
     assert {k: v for k, v in after.items() if k in before} == before
     assert [row["id"] for row in after["shard-00002.jsonl"]] == ["p3", "p4"]
@@ -101,7 +103,7 @@ def test_drop_stale_answers_again_the_prompts_that_changed(tmp_path, model, toke
     stats = regenerate(
         model, tokenizer, changed[:4], tmp_path, batch_size=2, max_new_tokens=3, shard_size=2, drop_stale=True
     )
-    assert stats == {"skipped": 3, "generated": 1, "shards": 1, "too_long": 0, "loops_cut": 0}
+    assert stats == {"skipped": 3, "generated": 1, "shards": 1, "too_long": 0, "loops_cut": 0, **NONE_TRIMMED}
     after = _shards(tmp_path)
     assert [r["id"] for r in after["shard-00000.jsonl"]] == ["p0"]  # p1 left its shard
     assert after["shard-00001.jsonl"] == before["shard-00001.jsonl"]
@@ -126,7 +128,14 @@ def test_killed_run_resumes(tmp_path, model, tokenizer, monkeypatch):
     assert list(_shards(tmp_path)) == ["shard-00000.jsonl"]  # the shard in progress was never written
     monkeypatch.undo()
     resumed = regenerate(model, tokenizer, PROMPTS, tmp_path, batch_size=2, max_new_tokens=3, shard_size=2)
-    assert resumed == {"skipped": 2, "generated": 3, "shards": 2, "too_long": 0, "loops_cut": 0}
+    assert resumed == {
+        "skipped": 2,
+        "generated": 3,
+        "shards": 2,
+        "too_long": 0,
+        "loops_cut": 0,
+        **NONE_TRIMMED,
+    }
     ids = [row["id"] for rows in _shards(tmp_path).values() for row in rows]
     assert sorted(ids) == sorted(p["id"] for p in PROMPTS)  # each exactly once
     assert tokenizer.padding_side == "right"  # restored after the crash too
@@ -281,3 +290,88 @@ def test_stop_loops_ends_looping_replies_and_cuts_finished_ones_where_it_would_h
     assert again["generated"] == 0 and again["loops_cut"] == len(loops)
     assert {row["id"]: row for rows in _shards(whole).values() for row in rows} == cut
     assert regenerate(model, tokenizer, PROMPTS, whole, max_new_tokens=96, stop_loops=2)["loops_cut"] == 0
+
+
+def test_a_cut_reply_ends_on_a_whole_character(tmp_path, model, tokenizer, monkeypatch):
+    """A cap (or a loop) that falls inside a character left its bytes as U+FFFD in the text, which training
+    tokenizes again into tokens the target never produced: the partial tokens are dropped, in new replies
+    and in chats answered before; a reply that ended itself is kept as the target wrote it."""
+    ids = tokenizer("Great job 🌟🌟", add_special_tokens=False)["input_ids"]
+    partial = ids[:-1]  # the last star's last byte cut off
+    assert tokenizer.decode(partial, **regen.DECODING).endswith("\ufffd")
+    assert regen.whole_characters(partial, tokenizer) == ids[: len(ids) - 3]  # the star's first two tokens go
+    assert regen.whole_characters(ids, tokenizer) == ids
+
+    def cut_inside(model, input_ids, *args, **kwargs):
+        return [(partial, "length"), (partial, "stop")][: input_ids.shape[0]]
+
+    monkeypatch.setattr(regen, "batched_generate", cut_inside)
+    regenerate(model, tokenizer, PROMPTS[:2], tmp_path / "new", batch_size=2, max_new_tokens=9)
+    rows = {row["finish_reason"]: row for rows in _shards(tmp_path / "new").values() for row in rows}
+    assert rows["length"]["messages"][-1]["content"] == "Great job 🌟"
+    assert rows["stop"]["messages"][-1]["content"].endswith("\ufffd")  # as generated: it chose to stop there
+    monkeypatch.undo()
+    old = [
+        {"id": "a", "messages": [*PROMPTS[0]["messages"], {"role": "assistant", "content": "Hi 🌟\ufffd"}]},
+        {"id": "b", "messages": [*PROMPTS[1]["messages"], {"role": "assistant", "content": "4\ufffd"}]},
+    ]
+    (tmp_path / "old").mkdir()
+    regen.write_jsonl(
+        tmp_path / "old" / "shard-00000.jsonl",
+        [{**old[0], "finish_reason": "loop"}, {**old[1], "finish_reason": "stop"}],
+    )
+    assert regen.trim_partial_characters(tmp_path / "old") == ["a"]
+    ((a, b),) = _shards(tmp_path / "old").values()
+    assert a["messages"][-1]["content"] == "Hi 🌟" and b["messages"][-1]["content"] == "4\ufffd"
+
+
+def test_an_id_naming_two_prompts_is_refused(tmp_path, model, tokenizer):
+    # the second prompt was dropped without a word (one row of the two answered)
+    twice = [PROMPTS[0], {**PROMPTS[1], "id": PROMPTS[0]["id"]}]
+    with pytest.raises(BadRow, match="prompt id 'p0' names two different prompts"):
+        regenerate(model, tokenizer, twice, tmp_path, max_new_tokens=2)
+    assert not any(tmp_path.iterdir())  # refused before anything was written
+    regenerate(model, tokenizer, [PROMPTS[0], PROMPTS[0]], tmp_path, max_new_tokens=2)  # the same prompt: one
+
+
+def test_a_resume_under_other_settings_is_refused(tmp_path, model, tokenizer, capsys):
+    """A rerun into a folder answered with another reply cap, temperature or target mixed two kinds of reply
+    in it without a word; a folder from before the settings file is adopted with a note."""
+    regenerate(model, tokenizer, PROMPTS[:2], tmp_path, max_new_tokens=3)
+    for change, named in (
+        ({"max_new_tokens": 20}, "max_new_tokens 3 -> 20"),
+        ({"max_new_tokens": 3, "temperature": 1.0}, "temperature 0.0 -> 1.0"),
+    ):
+        with pytest.raises(ValueError, match=f"answered with other settings \\({named}"):
+            regenerate(model, tokenizer, PROMPTS, tmp_path, **change)
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        other.model.layers[1].mlp.down_proj.weight.mul_(2.0)
+    with pytest.raises(ValueError, match="target_digest"):
+        regenerate(other, tokenizer, PROMPTS, tmp_path, max_new_tokens=3)
+    assert len(_shards(tmp_path)) == 1  # nothing added by the refused runs
+    (tmp_path / regen.SETTINGS_FILE).unlink()  # a folder of chats from before the file
+    stats = regenerate(model, tokenizer, PROMPTS, tmp_path, max_new_tokens=3)
+    assert (
+        stats["skipped"] == 2 and "no regen.json; its chats are taken as answered" in capsys.readouterr().out
+    )
+    assert json.loads((tmp_path / regen.SETTINGS_FILE).read_text())["max_new_tokens"] == 3
+
+
+def test_a_reply_that_looped_on_and_then_stopped_is_cut_under_the_loop_rule(tmp_path, tokenizer):
+    """Chats answered before stop_loops: a reply that looped for hundreds of tokens and then ended itself
+    kept its whole loop and its end-of-turn target; it is cut where the rule would have ended it. A stop
+    within one loop check of that point is how generation under the rule ends too: kept."""
+    loop = "The cat sat on the mat and looked at the door. " * 40
+    short = "The cat sat on the mat and looked at the door. " * 3
+    prompt = PROMPTS[0]["messages"]
+    chats = [
+        {"id": i, "messages": [*prompt, {"role": "assistant", "content": text}], "finish_reason": "stop"}
+        for i, text in (("long", loop), ("short", short))
+    ]
+    regen.write_jsonl(tmp_path / "shard-00000.jsonl", chats)
+    assert regen.cut_looping_chats(tmp_path, tokenizer, 2) == ["long"]
+    ((long, kept),) = _shards(tmp_path).values()
+    assert long["finish_reason"] == "loop" and loop.startswith(long["messages"][-1]["content"])
+    assert len(long["messages"][-1]["content"]) < len(loop) / 4
+    assert kept == chats[1]
