@@ -58,12 +58,14 @@ class RowOutput:
         return self.new_tokens / self.seconds if self.seconds > 0 else float("nan")
 
     def acceptance_rates(self) -> list[float]:
-        """Per-depth acceptance: P(depth d accepted | depth d - 1 accepted)."""
-        prev, rates = self.steps, []
-        for count in self.accepted_per_depth:
-            rates.append(count / prev if prev else 0.0)
-            prev = count
-        return rates
+        """Per-depth acceptance: P(depth d accepted | the accepted depth-(d - 1) node offered a child), the
+        steps that accepted depth d over those whose accepted path offered a depth-d draft. Steps that
+        offered none there do not count: a policy's plain steps, a tree pruned to its root, an accepted leaf.
+        A node's children are offered as a prefix of ranks, so rank 0's `offered_ranks` count is theirs."""
+        return [
+            count / offered[0] if offered and offered[0] else 0.0
+            for count, offered in zip(self.accepted_per_depth, self.offered_ranks)
+        ]
 
 
 @dataclass

@@ -5,7 +5,6 @@ the layouts."""
 
 from __future__ import annotations
 
-import itertools
 import json
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from safetensors.torch import load_file
 from heads import registry
 from heads.eagle import check_draft_vocab
 from heads.io import CONFIG_NAME, WEIGHTS_NAME
+from heads.typed import taps_out_of_order
 
 HEAD_TYPE = registry.formats()  # format -> the head type it holds (each kind lists its formats)
 FORMATS = tuple(HEAD_TYPE)  # sglang, speculators, eagle1, medusa, medusa-vllm, dflash, peagle
@@ -43,11 +43,6 @@ def _bad_ids(ids, low: int, high: int | None = None) -> list:
         for i in ids
         if isinstance(i, bool) or not isinstance(i, int) or i < low or (high is not None and i >= high)
     ]
-
-
-def _out_of_order(ids) -> bool:
-    """Tap ids listed out of layer order (`heads.typed.check_tap_order`: the engines concatenate in order)."""
-    return any(b < a for a, b in itertools.pairwise(ids))
 
 
 def _count(config: dict, key: str, low: int, errors: list[str]) -> int | None:
@@ -129,7 +124,7 @@ def _eagle_expected_shapes(
     low = 1 if TAP_CONVENTION[fmt] == "input" else 0  # input-to-layer id 0 is the embeddings' output
     if _bad_ids(ids, low):
         errors.append(f"tap ids must be integers >= {low} ({TAP_CONVENTION[fmt]}-of-layer ids), got {ids!r}")
-    elif _out_of_order(ids):
+    elif taps_out_of_order(ids):
         errors.append(f"tap ids must be in increasing layer order (engines concatenate taps so), got {ids!r}")
     if convention is not None and convention != TAP_CONVENTION[fmt]:
         errors.append(
@@ -180,7 +175,7 @@ def _dflash_expected_shapes(config: dict, errors: list[str]) -> dict[str, tuple[
         layers = config.get("num_target_layers")
         span = f"[0, {layers})" if layers is not None else ">= 0"
         errors.append(f"dflash_config.target_layer_ids must be integer layer ids {span}, got {ids!r}")
-    elif _out_of_order(ids):
+    elif taps_out_of_order(ids):
         errors.append(f"dflash_config.target_layer_ids must be in increasing layer order, got {ids!r}")
     vocab = config.get("vocab_size")
     if _bad_ids([mask], 0, vocab if isinstance(vocab, int) else None):

@@ -42,11 +42,16 @@ def check_int_ids(ids, name: str, low: int = 0) -> tuple[int, ...]:
     return tuple(out)
 
 
+def taps_out_of_order(ids: Sequence[int]) -> bool:
+    """Whether tap ids are listed out of layer order: vLLM and SGLang concatenate a head's taps in layer
+    order whatever order its config lists them in, so a head trained on another order would read its
+    features permuted (no error, fewer drafts accepted)."""
+    return any(b < a for a, b in itertools.pairwise(ids))
+
+
 def check_tap_order(ids: Sequence[int], name: str) -> None:
-    """Refuse tap ids out of layer order: vLLM and SGLang concatenate a head's taps in layer order whatever
-    order its config lists them in, so a head trained on another order would read its features permuted
-    (no error, fewer drafts accepted)."""
-    if any(b < a for a, b in itertools.pairwise(ids)):
+    """Refuse tap ids out of layer order (`taps_out_of_order`)."""
+    if taps_out_of_order(ids):
         raise ValueError(
             f"{name} must be in increasing layer order (the engines concatenate taps in layer order), "
             f"got {list(ids)!r}"

@@ -32,7 +32,7 @@ TINY = {
 
 # The longest modules, in the order they start: .ci/run spreads the suite over two pytest-xdist workers by
 # module (`-n 2 --dist loadfile --no-loadscope-reorder`: a module's fixtures are built once, on one worker),
-# and the longest starting first lets both workers end together. The CI log's 25 slowest tests say which.
+# and the longest starting first lets both workers end together. The CI log's 60 slowest tests say which.
 FIRST = (
     "engines/test_vllm_external.py",
     "decode/test_host_syncs.py",

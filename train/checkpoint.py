@@ -32,8 +32,15 @@ def latest_state(output_dir: str | Path) -> Path | None:
     return max(done, key=lambda p: int(p.name.split("-")[1]), default=None)
 
 
-def save_state(accelerator: Accelerator, output_dir: str | Path, step: int, keep: int) -> Path:
-    """Write the resume state of optimizer step `step` and keep the `keep` newest ones.
+def save_state(
+    accelerator: Accelerator,
+    output_dir: str | Path,
+    step: int,
+    keep: int,
+    rows: tuple[int, str] | None = None,
+) -> Path:
+    """Write the resume state of optimizer step `step` and keep the `keep` newest ones; `rows`: the training
+    rows' count and `train.loader.rows_digest`, recorded for `check_resume_settings`.
 
     Every rank writes its part (accelerate), then the main process marks it complete with progress.json and
     renames it into place; the marker is written last, so `latest_state` never picks a partial state.
@@ -47,7 +54,10 @@ def save_state(accelerator: Accelerator, output_dir: str | Path, step: int, keep
     accelerator.save_state(str(partial))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        write_json(partial / PROGRESS_FILE, {"step": step, "num_processes": accelerator.num_processes})
+        progress = {"step": step, "num_processes": accelerator.num_processes}
+        if rows is not None:
+            progress["rows"], progress["rows_digest"] = rows
+        write_json(partial / PROGRESS_FILE, progress)
         # a state of this step already there (a finished run rerun) goes aside first and away last: a kill in
         # between leaves it complete (`latest_state` skips names not "step-*")
         aside = root / f".step-{step}.old"
@@ -75,6 +85,12 @@ def load_state(accelerator: Accelerator, state: Path) -> int:
 def saved_processes(state: Path) -> int | None:
     """How many processes wrote a resume state (None for states written before this was recorded)."""
     return json.loads((state / PROGRESS_FILE).read_text()).get("num_processes")
+
+
+def saved_rows(state: Path) -> tuple[int, str] | None:
+    """The training rows' count and digest a resume state was written with (None for older states)."""
+    progress = json.loads((state / PROGRESS_FILE).read_text())
+    return (progress["rows"], progress["rows_digest"]) if "rows_digest" in progress else None
 
 
 # Settings that fix which examples each step sees: a resumed run that changes them would skip or repeat data.
@@ -105,12 +121,16 @@ SCHEDULE_KEYS = (
 )
 
 
-def check_resume_settings(accelerator: Accelerator, cfg, output_dir: Path, state: Path) -> None:
-    """Refuse to resume `state` with another data order (files, split, batch size, processes, seed); warn
-    when the schedule changes. The state's settings are the run folder's config.yaml and the process count
-    its progress file records (states written before it was recorded are not checked for it)."""
+def check_resume_settings(
+    accelerator: Accelerator, cfg, output_dir: Path, state: Path, rows: tuple[int, str] | None = None
+) -> None:
+    """Refuse to resume `state` with another data order (files, split, batch size, processes, seed, or
+    other training rows under the same settings: `rows`, their count and digest); warn when the schedule
+    changes. The state's settings are the run folder's config.yaml, and the process count and rows its
+    progress file records (states written before they were recorded are not checked for them)."""
     saved_file = output_dir / "config.yaml"
     if not saved_file.is_file():
+        _check_rows(output_dir, state, rows)
         return
     saved, now = flatten(yaml.safe_load(saved_file.read_text()) or {}), flatten(to_dict(cfg))
     changes = {
@@ -128,11 +148,24 @@ def check_resume_settings(accelerator: Accelerator, cfg, output_dir: Path, state
             f"{output_dir}: cannot resume {state.name} with another data order ({listed}); "
             f"rerun with the saved settings ({saved_file}) or use a new train.output_dir"
         )
+    _check_rows(output_dir, state, rows)
     if changes:
         listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changes.items())
         accelerator.print(
             f"WARNING: resuming {state.name} with another schedule ({listed}): the learning rate "
             f"follows the new schedule from step {state.name.split('-')[1]} on"
+        )
+
+
+def _check_rows(output_dir: Path, state: Path, rows: tuple[int, str] | None) -> None:
+    """Refuse other training rows than those `state` was written with, where both are known."""
+    saved = saved_rows(state)
+    if rows is not None and saved is not None and tuple(saved) != tuple(rows):
+        raise ValueError(
+            f"{output_dir}: cannot resume {state.name} with other training rows under the same settings "
+            f"(expected {saved[0]} rows with digest {saved[1]}, found {rows[0]} rows with digest {rows[1]}): "
+            "a file under data.train_files was added, extended or rewritten since; restore the data it was "
+            "written with or use a new train.output_dir"
         )
 
 

@@ -68,10 +68,23 @@ def eval_loss(
     if eval_set is None:
         return None
     losses = []
-    for i, batch in enumerate(epoch_loader(eval_set, cfg.train, cfg.data, 0, pad_id, accelerator)):
-        if i >= max_batches:
-            break
-        losses.append(loss_fn(batch).detach().float())
+    loader = epoch_loader(eval_set, cfg.train, cfg.data, 0, pad_id, accelerator)
+    device = accelerator.device
+    # The losses that sample (DFlash's anchors, P-EAGLE's chains, EAGLE-1's noise) draw from a forked RNG
+    # seeded alike at every evaluation: the same draws each time (losses comparable across steps) and the
+    # training RNG untouched (how often a run evaluates does not change what it trains on).
+    forked = [] if device.type == "cpu" else [0 if device.index is None else device.index]
+    try:
+        with torch.random.fork_rng(devices=forked, device_type=device.type):
+            torch.manual_seed(cfg.train.seed)
+            for i, batch in enumerate(loader):
+                if i >= max_batches:
+                    break
+                losses.append(loss_fn(batch).detach().float())
+    finally:
+        # A loader left early stays the accelerator's active one: had it just dealt its last batch, every
+        # training micro-batch after this would read "end of data" and step the optimizer (no accumulation).
+        loader.end()
     if not losses:
         return None
     return accelerator.gather(torch.stack(losses).mean()[None]).mean().item()

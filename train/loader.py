@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import hashlib
 from pathlib import Path
 
+import pyarrow as pa
 import torch
 from accelerate import Accelerator
 from datasets import Dataset
@@ -17,6 +19,24 @@ from targets import load_target
 from train.config import TORCH_DTYPES, DataConfig, ModelConfig, TrainConfig
 from train.data import build_dataset, collate, length_grouped_order, split_eval
 from train.distributed import whole_on_every_rank
+
+
+def rows_digest(rows: Dataset) -> str:
+    """A digest of the training rows as a run reads them: their count, order and every value of every column
+    (a resume checks it: a shard added under a glob, rows appended to a file or a file rewritten would skip
+    or repeat examples, move rows between the training and held-out slices, or, for DFlash and P-EAGLE,
+    change the mask token drawn from the data's token counts, while every setting still read the same)."""
+    table = rows.with_format("arrow")[:]
+    digest = hashlib.sha256(f"{len(rows)} rows".encode())
+    for name in sorted(table.column_names):
+        column = table.column(name).combine_chunks()
+        digest.update(f"|{name}:{column.type}|".encode())
+        if pa.types.is_list(column.type) or pa.types.is_large_list(column.type):
+            digest.update(column.value_lengths().fill_null(-1).to_numpy(zero_copy_only=False).tobytes())
+            digest.update(column.flatten().to_numpy(zero_copy_only=False).tobytes())
+        else:
+            digest.update(repr(column.to_pylist()).encode())
+    return digest.hexdigest()[:16]
 
 
 def load_frozen_target(model: ModelConfig, accelerator: Accelerator, whole: bool = True):

@@ -23,7 +23,7 @@ from transformers import get_scheduler
 from train.checkpoint import BEST_DIR, best_tau, check_resume_settings, latest_state, load_state, save_state
 from train.config import TrainConfig, flatten, save_config, to_dict
 from train.evaluate import evaluate
-from train.loader import epoch_loader, steps_per_epoch, total_steps
+from train.loader import epoch_loader, rows_digest, steps_per_epoch, total_steps
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,7 @@ class Run:
     num_steps: int  # optimizer steps of the whole run
     start_step: int  # optimizer steps done before this launch: 0, or the resumed state's step
     output_dir: Path  # train.output_dir
+    rows: tuple[int, str] | None = None  # the training rows' count and digest (recorded in resume states)
 
 
 def prepare_run(
@@ -59,8 +60,9 @@ def prepare_run(
     module, optimizer = accelerator.prepare(step_module, optimizer)
     accelerator.register_for_checkpointing(scheduler)  # stepped by hand, so accelerate saves it only if told
     output_dir = Path(cfg.train.output_dir)
-    step = start_or_resume(accelerator, cfg, output_dir, num_steps)
-    return Run(accelerator, cfg, module, optimizer, scheduler, per_epoch, num_steps, step, output_dir)
+    rows = (len(train_set), rows_digest(train_set))
+    step = start_or_resume(accelerator, cfg, output_dir, num_steps, rows)
+    return Run(accelerator, cfg, module, optimizer, scheduler, per_epoch, num_steps, step, output_dir, rows)
 
 
 def train_loop(
@@ -138,12 +140,12 @@ def train_loop(
                 if train.keep_best_tau:
                     best = keep_best(accelerator, logs.get("eval_tau"), best, step, export)
             if train.save_every_steps and step % train.save_every_steps == 0 and step < num_steps:
-                save_state(accelerator, run.output_dir, step, train.keep_checkpoints)
+                save_state(accelerator, run.output_dir, step, train.keep_checkpoints, run.rows)
                 export(step)
             if step >= num_steps or step % per_epoch == 0:
                 break
     progress.close()
-    save_state(accelerator, run.output_dir, step, train.keep_checkpoints)
+    save_state(accelerator, run.output_dir, step, train.keep_checkpoints, run.rows)
     path = export(step, eval_tau=final_tau)  # the last step's simulated tau, if measured, in its config.json
     accelerator.print(f"exported {path}")
     if train.keep_best_tau and best is not None:
@@ -207,8 +209,11 @@ class StepLogger:
         self.tokens, self.started = 0, time.perf_counter()
 
 
-def start_or_resume(accelerator: Accelerator, cfg, output_dir: Path, num_steps: int) -> int:
-    """Save the resolved config, start the trackers, and load the newest resume state if there is one.
+def start_or_resume(
+    accelerator: Accelerator, cfg, output_dir: Path, num_steps: int, rows: tuple[int, str] | None = None
+) -> int:
+    """Save the resolved config, start the trackers, and load the newest resume state if there is one
+    (`rows`: the training rows' count and digest, checked against the state's).
 
     Returns:
         The optimizer step to start from (0 for a fresh run).
@@ -216,7 +221,7 @@ def start_or_resume(accelerator: Accelerator, cfg, output_dir: Path, num_steps: 
     state = latest_state(output_dir)
     # before config.yaml is overwritten: it holds the settings the state was written with
     if state is not None:
-        check_resume_settings(accelerator, cfg, output_dir, state)
+        check_resume_settings(accelerator, cfg, output_dir, state, rows)
     if accelerator.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, output_dir / "config.yaml")

@@ -202,12 +202,12 @@ def eagle3_ttt_loss(
     cache = DraftCache()
     total = features.new_zeros((), dtype=torch.float32)
     metrics: dict[str, Tensor] = {}
-    index = torch.arange(length, device=features.device)
+    chains = ttt_chains(loss_mask, ttt_steps)
     for step in range(ttt_steps):
         mask = ttt_attention_mask(length, step, features.dtype, features.device)
         hidden = head(features, embeds, positions, cache, attention_mask=mask)  # (B, T-1, H)
         logits = head.logits(hidden, None)  # (B, T-1, Vd)
-        valid = token_mask & (index >= step)[None]  # a full chain exists
+        valid = chains[step]
         if distill in LK_LOSSES:
             step_loss = lk_loss(logits, target_probs, valid, distill, lk_eta)
         else:
@@ -222,6 +222,21 @@ def eagle3_ttt_loss(
     if draft_mass is not None:
         metrics["draft_mass"] = masked_mean(draft_mass, token_mask)
     return total, metrics
+
+
+def ttt_chains(loss_mask: Tensor, ttt_steps: int) -> Tensor:
+    """Which positions each unrolled step of `eagle3_ttt_loss` trains: (ttt_steps, B, T-1) booleans. Step j
+    at position t scores token t + 2 after a chain that started on the target's features at t - j and drafted
+    tokens t - j + 2 .. t + 1: all of them must be tokens to learn (reply tokens), as in decoding, which
+    drafts only inside a reply; a chain through a user turn or a template header is never decoded. (P-EAGLE's
+    `train.block_losses.peagle_chains` and DFlash's slots take the same rule.)"""
+    b, t = loss_mask.shape
+    token = torch.zeros(b, t - 1, dtype=torch.bool, device=loss_mask.device)
+    token[:, :-1] = loss_mask[:, 2:].bool()  # token t + 2
+    chains = [token]
+    for _ in range(1, ttt_steps):
+        chains.append(token & F.pad(chains[-1][:, :-1], (1, 0)))  # and the chain one position back
+    return torch.stack(chains)
 
 
 def draft_target_probs(head: EagleHead, target_logits: Tensor, distill: str) -> tuple[Tensor, Tensor | None]:

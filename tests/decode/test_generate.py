@@ -5,6 +5,7 @@ Random heads are almost never accepted, so an ORACLE drafter (it knows the plain
 the true next token 1st, 2nd or 3rd at random) drives long, branching accepted paths through the same loop.
 """
 
+import copy
 import functools
 import importlib
 
@@ -14,6 +15,7 @@ from torch import nn
 
 from decode import DEFAULT_EAGLE_TREE, DEFAULT_TREES, DynamicTree, generate
 from decode.drafter import Drafter
+from decode.drafters.model import DraftModel
 from decode.tree import SAMPLING_CHAIN, chain
 from heads.eagle import EagleConfig, EagleHead
 from heads.medusa import MedusaConfig, MedusaHeads
@@ -222,6 +224,25 @@ def test_plain_statistics(build_target):
     assert out.seconds > 0 and out.tokens_per_second == pytest.approx(20 / out.seconds)
 
 
+def test_acceptance_rates_count_only_steps_that_offered_a_draft(build_target):
+    """The target drafting for itself (a `DraftModel` copy) on a chain of 2 accepts every draft; a policy that
+    decodes every other step plainly offers none then, which must not lower the rates (it read 0.53)."""
+    model = build_target("llama")
+    draft = DraftModel(copy.deepcopy(model))
+    chain = [(0,), (0, 0)]
+    fixed = generate(model, PROMPT, draft, max_new_tokens=40, tree=chain).one
+    calls = []
+
+    def every_other(rows):
+        calls.append(rows)
+        return chain if len(calls) % 2 else None
+
+    mixed = generate(model, PROMPT, draft, max_new_tokens=40, tree=every_other).one
+    assert mixed.steps > mixed.offered_ranks[0][0] > 0  # plain steps were taken
+    assert fixed.acceptance_rates() == mixed.acceptance_rates() == [1.0, 1.0]
+    assert mixed.accepted_per_depth == [mixed.offered_ranks[0][0]] * 2
+
+
 def test_a_min_prob_bound_sizes_each_step_by_the_drafts_confidence(build_target, monkeypatch, oracle):
     """Steps where the oracle drafts off the true path (its children are then flat: nothing reaches 0.2)
     verify fewer nodes than confident ones; never more than the four the bound allows, never nodes past depth
@@ -265,8 +286,10 @@ def test_acceptance_rates(build_target, tree, oracle):
     rates = out.acceptance_rates()
     assert len(rates) == len(out.accepted_per_depth) >= 2
     assert all(0.0 <= r <= 1.0 for r in rates)
+    assert out.offered_ranks[0][0] == out.steps  # every step drafted: depth 1's rate is per step
     assert rates[0] == out.accepted_per_depth[0] / out.steps
-    assert rates[1] == out.accepted_per_depth[1] / out.accepted_per_depth[0]
+    assert rates[1] == out.accepted_per_depth[1] / out.offered_ranks[1][0]
+    assert out.offered_ranks[1][0] <= out.accepted_per_depth[0]  # an accepted leaf offers nothing below
     assert out.accepted_per_depth == sorted(out.accepted_per_depth, reverse=True)
     assert 0.3 < rates[0] <= 1.0
     # Accepted nodes split by sibling rank add up to the per-depth counts; each was offered first.

@@ -122,6 +122,34 @@ def test_smoke_export_round_trips_and_decodes_losslessly(
     assert drafted.sequences.tolist() == plain.sequences.tolist()
 
 
+@pytest.mark.parametrize(
+    "head_type, extra",
+    [
+        ("dflash", ["eagle.block_size=4", "eagle.draft_layers=1"]),
+        ("peagle", ["eagle.aux_layer_ids=[0,2,3]", "eagle.parallel_depths=3"]),
+    ],
+)
+def test_evaluating_draws_nothing_from_the_training_rng(
+    head_type, extra, tmp_path, overrides, run_recipe, ckpt
+):
+    """DFlash's held-out loss samples block anchors, P-EAGLE's its chains (2 per row here: fewer than the
+    rows' candidates, so the draw matters): evaluated after every step or never, a run trains the same
+    weights (the evaluation drew from the training RNG, so the next step drew other anchors)."""
+    extra = [*extra, "eagle.anchors=2", "eagle.draft_vocab_size=256", "train.eval_tau_prompts=0"]
+    runs = {}
+    for every in (1, 0):
+        out = tmp_path / f"every-{every}"
+        args = [
+            f"eagle.head_type={head_type}",
+            *extra,
+            "train.max_steps=3",
+            f"train.eval_every_steps={every}",
+        ]
+        run_recipe(overrides(out, *args))
+        runs[every] = out
+    ckpt.assert_same_weights(ckpt.head_weights(runs[1]), ckpt.head_weights(runs[0]))
+
+
 def test_init_from_starts_at_an_exported_head_and_keeps_its_draft_vocab(
     tmp_path, overrides, run_recipe, ckpt
 ):

@@ -116,6 +116,39 @@ def test_loop_evaluates_checkpoints_exports_and_drops_idle_gradients(
     assert not torch.equal(toy.embed.weight, start["embed.weight"])  # it trained in the later steps
 
 
+@pytest.mark.parametrize("eval_rows", [20, 21, 22])
+def test_accumulation_holds_after_an_evaluation_that_stops_at_its_last_batch(
+    eval_rows, tmp_path, overrides, fresh_accelerate
+):
+    """Two micro-batches per optimizer step, evaluating every step on up to 20 batches (`eval_loss` stops
+    early): with 21 held-out rows its 21st batch was the loader's last, the stopped loader stayed the
+    accelerator's active one, and every later micro-batch read "end of data" and stepped alone."""
+    args = ["train.max_steps=4", "train.gradient_accumulation_steps=2", "train.per_device_batch_size=1"]
+    args += ["train.eval_every_steps=1", "train.save_every_steps=0", "train.eval_tau_prompts=0"]
+    cfg = load_config(EagleRunConfig, TINY_YAML, overrides(tmp_path / "run", *args))
+    accelerator = make_accelerator(cfg.train)
+    torch.manual_seed(0)
+    toy = ToyStep()
+    run = prepare_run(accelerator, cfg, toy, toy.parameters(), toy_rows(20))
+    steps = []
+
+    def loss(batch, step):
+        steps.append(step)
+        return run.module(batch["input_ids"], batch["loss_mask"])
+
+    train_loop(
+        run,
+        toy_rows(20),
+        toy_rows(eval_rows),
+        pad_id=0,
+        loss=loss,
+        eval_loss=lambda batch: run.module(batch["input_ids"], batch["loss_mask"])[0],
+        eval_tau=lambda: None,
+        export=lambda step, eval_tau=None: tmp_path / f"export-{step}",
+    )
+    assert steps == [0, 0, 1, 1, 2, 2, 3, 3]  # the optimizer step each micro-batch belongs to
+
+
 def test_loop_keeps_the_export_of_the_best_simulated_tau(tmp_path, overrides, fresh_accelerate, capsys):
     """keep_best_tau: evaluations at steps 2, 4, 6 measure tau 1.2, 1.5, 1.4; head_best/ gets steps 2 and 4
     (each better than all before), not 6; a run resumed over a recorded best of 1.6 exports nothing there."""
@@ -228,6 +261,32 @@ def test_resume_with_another_data_order_is_refused(tmp_path, overrides, run_reci
     ):
         run_recipe(overrides(tmp_path / "run", *common, "train.per_device_batch_size=3", "train.max_steps=3"))
     assert "per_device_batch_size: 2" in (tmp_path / "run" / "config.yaml").read_text()  # the saved one stays
+
+
+def test_resume_with_other_rows_under_the_same_settings_is_refused(
+    tmp_path, overrides, run_recipe, chat_file
+):
+    """A shard added under the glob (or rows appended, a file rewritten) changes no setting but which rows
+    each step reads: the state records the rows' count and digest, and the resume is refused naming both."""
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    (shards / "a.jsonl").write_text(chat_file.read_text())
+    common = ["eagle.head_type=eagle1", "train.save_every_steps=1", "train.eval_tau_prompts=0"]
+    args = overrides(tmp_path / "run", *common, "train.max_steps=2", train_file=shards / "*.jsonl")
+    run_recipe(args)
+    progress = json.loads((tmp_path / "run" / "state" / "step-2" / "progress.json").read_text())
+    assert progress["rows"] == 30  # 40 chats less the held-out quarter
+    run_recipe([*args, "train.max_steps=3"])  # the same rows: resumes (only the schedule changed)
+    (shards / "b.jsonl").write_text(chat_file.read_text())
+    with pytest.raises(
+        ValueError,
+        match=r"cannot resume step-3 with other training rows .*\(expected 30 rows "
+        r"with digest [0-9a-f]{16}, found 60 rows with digest [0-9a-f]{16}\)",
+    ):
+        run_recipe([*args, "train.max_steps=4"])
+    (shards / "b.jsonl").unlink()
+    run_recipe([*args, "train.max_steps=4"])  # the data restored: resumes
+    assert json.loads((tmp_path / "run" / "head" / "config.json").read_text())["train_step"] == 4
 
 
 def test_sigkill_mid_run_then_rerun_equals_an_uninterrupted_run(tmp_path, overrides, run_recipe, cli, ckpt):

@@ -6,7 +6,15 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from decode.drafters.eagle import EagleDrafter
 from heads import EagleConfig, EagleHead, FeatureCapture, MedusaConfig, MedusaHeads
-from train.losses import acceptance, eagle1_loss, eagle3_ttt_loss, lk_loss, medusa_loss, ttt_attention_mask
+from train.losses import (
+    acceptance,
+    eagle1_loss,
+    eagle3_ttt_loss,
+    lk_loss,
+    medusa_loss,
+    ttt_attention_mask,
+    ttt_chains,
+)
 
 V, H = 64, 32
 
@@ -52,6 +60,17 @@ def test_ttt_mask_by_hand():
         4 + 2,
         8 + 3,
     ]  # prefix <= 1, ancestor at 2, self
+
+
+def test_ttt_trains_only_chains_of_reply_tokens():
+    """Two replies (1) around a user turn (0): step j at t scores token t + 2 after drafting t - j + 2 ..
+    t + 1, so it trains only where all of them are reply tokens (the old mask checked token t + 2 alone and
+    trained chains that drafted the user turn, which decoding never does)."""
+    loss_mask = torch.tensor([[0, 0, 1, 1, 1, 1, 0, 0, 0, 1, 1, 1, 1, 1]])
+    chains = ttt_chains(loss_mask, 3)
+    assert chains.shape == (3, 1, 13)
+    scored = [(row.nonzero().flatten() + 2).tolist() for row in chains[:, 0]]  # the tokens each step scores
+    assert scored == [[2, 3, 4, 5, 9, 10, 11, 12, 13], [3, 4, 5, 10, 11, 12, 13], [4, 5, 11, 12, 13]]
 
 
 @pytest.mark.parametrize("norms", [{}, {"norm_before_fc": True, "norm_output": True}], ids=["eagle3", "3.1"])
