@@ -124,6 +124,7 @@ def train_loop(
             with accelerator.accumulate(module):
                 value, metrics = loss(batch, step)
                 check_finite(accelerator, value, step, run.output_dir)
+                logger.add(value, metrics)
                 idle = idle_params(step) if idle_params is not None else None
                 grad_norm = backward_and_clip(accelerator, value, module, train.max_grad_norm, idle)
                 optimizer.step()
@@ -133,7 +134,7 @@ def train_loop(
                 continue
             run.scheduler.step()
             step += 1
-            logger.step(step, step == num_steps, value, run.scheduler.get_last_lr()[0], grad_norm, metrics)
+            logger.step(step, step == num_steps, run.scheduler.get_last_lr()[0], grad_norm)
             if (train.eval_every_steps and step % train.eval_every_steps == 0) or step == num_steps:
                 logs = evaluate(accelerator, module, eval_set, run.cfg, pad_id, step, eval_loss, eval_tau)
                 final_tau = logs.get("eval_tau") if step == num_steps else None
@@ -182,27 +183,46 @@ def make_optimizer(param_groups, train: TrainConfig, num_steps: int):
 
 class StepLogger:
     """Per-optimizer-step logging shared by the recipes: loss, lr, grad norm, tokens/s and the loss metrics
-    (per-head / per-TTT-step top-1), to the progress bar and to `accelerator.log` every `every` steps."""
+    (per-head / per-TTT-step top-1), to the progress bar and to `accelerator.log` every `every` steps. The
+    loss and metrics logged are the step's: the mean over its micro-batches (gradient accumulation) and its
+    ranks, not the main process's last micro-batch."""
 
     def __init__(self, accelerator: Accelerator, progress, every: int) -> None:
         self.accelerator, self.progress, self.every = accelerator, progress, every
         self.tokens, self.started = 0, time.perf_counter()
+        self.sums: dict[str, torch.Tensor] = {}  # this step's micro-batch values, summed on the device
+        self.micro = 0
 
     def count(self, batch: dict) -> None:
         self.tokens += int(batch["attention_mask"].sum())
 
-    def step(self, step: int, last: bool, loss: torch.Tensor, lr: float, grad_norm, metrics: dict) -> None:
+    def add(self, loss: torch.Tensor, metrics: dict) -> None:
+        """One micro-batch's loss and metrics (no host synchronization)."""
+        for key, value in {"loss": loss, **metrics}.items():
+            value = value.detach().float()
+            self.sums[key] = self.sums[key] + value if key in self.sums else value
+        self.micro += 1
+
+    def step(self, step: int, last: bool, lr: float, grad_norm) -> None:
         self.progress.update()
+        sums, micro = self.sums, max(self.micro, 1)
+        self.sums, self.micro = {}, 0
         if step % self.every and not last:
             return
         elapsed = time.perf_counter() - self.started
-        tokens = self.accelerator.gather(torch.tensor([self.tokens], device=loss.device)).sum().item()
+        keys = list(sums)
+        means = torch.stack([sums[key] for key in keys]) / micro
+        means = self.accelerator.reduce(means, reduction="mean").tolist()  # every rank logs the same
+        tokens = (
+            self.accelerator.gather(torch.tensor([self.tokens], device=self.accelerator.device)).sum().item()
+        )
+        values = dict(zip(keys, means, strict=True))
         logs = {
-            "loss": loss.item(),
+            "loss": values.pop("loss"),
             "lr": lr,
             "tokens_per_s": tokens / max(elapsed, 1e-9),
             **({"grad_norm": float(grad_norm)} if grad_norm is not None else {}),
-            **{k: v.item() for k, v in metrics.items()},
+            **values,
         }
         self.progress.set_postfix(loss=f"{logs['loss']:.3f}", lr=f"{lr:.2e}")
         self.accelerator.log(logs, step=step)

@@ -19,9 +19,8 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import pad_sequence
 
 from decode.drafter import Drafter, DraftLimits, tree_visibility
-from decode.inputs import recurrent_layer_indices
-from decode.verify import target_cache
-from heads.eagle import additive_mask
+from decode.inputs import attention_windows, recurrent_layer_indices
+from decode.verify import attention_masks, target_cache
 
 
 @dataclass(frozen=True, eq=False)
@@ -59,6 +58,10 @@ def check_draft_model(draft: nn.Module, target: nn.Module) -> None:
             f"the draft model's layers {recurrent} keep recurrent state (a hybrid): a draft model drafts "
             "trees over a KV cache; use a draft model whose every layer attends"
         )
+    try:
+        attention_windows(draft)
+    except ValueError as err:
+        raise ValueError(f"the draft model: {err}") from None
 
 
 class ModelDrafter(Drafter):
@@ -71,14 +74,16 @@ class ModelDrafter(Drafter):
         self.model, self.max_depth = source.model, source.max_depth
         self.device, self.dtype = source.model.device, source.model.dtype
         # every column kept (transformers' own cache would drop the oldest of a sliding-window draft, under
-        # the columns the masks below index); such a draft then sees past its window: other drafts, same
-        # output
+        # the columns the masks below index); its windows are applied in the masks instead, as the target's
         self.cache = target_cache()
+        self.windows = attention_windows(source.model)  # layer type -> sliding window or None
         self.valid = torch.zeros(batch, 0, dtype=torch.bool, device=self.device)
+        self.key_positions = torch.zeros(batch, 0, dtype=torch.long, device=self.device)  # per column
         self.counts = torch.zeros(batch, dtype=torch.long, device=self.device)  # tokens taken in per row
         self.first: list[Tensor] = []  # each row's first prompt token, fed with its first `advance`
         self.root: Tensor | None = None  # (B, V) logits after each row's last token
         self._allowed: list[Tensor] = []  # (B, n, R) per level: which earlier tree entries each node sees
+        self._positions: list[Tensor] = []  # (B, n) per level: its nodes' positions
 
     def limits(self) -> DraftLimits:
         return DraftLimits(max_depth=self.max_depth, dynamic=True, block=False)
@@ -86,11 +91,14 @@ class ModelDrafter(Drafter):
     def start(self, prompts: list[Tensor]) -> None:
         self.first = [p[:1].to(self.device) for p in prompts]
 
-    def _forward(self, tokens: Tensor, positions: Tensor, allowed: Tensor) -> Tensor:
+    def _forward(self, tokens: Tensor, positions: Tensor, allowed: Tensor, keys: Tensor) -> Tensor:
+        """Logits of `tokens` at `positions` (B, n), seeing what `allowed` (B, n, K) says of the keys at
+        positions `keys` (B, K): the cache's columns, then the new tokens (a window counts positions)."""
+        distance = positions[:, :, None] - keys[:, None, :] if any(self.windows.values()) else None
         out = self.model(
             input_ids=tokens,
             position_ids=positions,
-            attention_mask=additive_mask(allowed, self.dtype)[:, None],
+            attention_mask=attention_masks(allowed, distance, self.windows, self.dtype),
             cache=self.cache,
             use_cache=True,
         )
@@ -117,12 +125,14 @@ class ModelDrafter(Drafter):
             ],
             dim=-1,
         )
-        logits = self._forward(ids, self.counts[:, None] + new[None, :], allowed)
+        positions = self.counts[:, None] + new[None, :]
+        logits = self._forward(ids, positions, allowed, torch.cat([self.key_positions, positions], dim=1))
         counts = torch.tensor(sizes, device=self.device)
         self.root = logits.gather(1, (counts - 1)[:, None, None].expand(-1, 1, logits.shape[-1]))[:, 0]
         self.valid = torch.cat([self.valid, taken], dim=1)
+        self.key_positions = torch.cat([self.key_positions, positions], dim=1)
         self.counts = self.counts + counts
-        self._allowed = []
+        self._allowed, self._positions = [], []
 
     def root_logits(self) -> Tensor:
         return self.root
@@ -142,8 +152,10 @@ class ModelDrafter(Drafter):
             dim=-1,
         )
         positions = (self.counts + depth - 1)[:, None].expand(-1, n)
-        logits = self._forward(tokens.to(self.device), positions, allowed)
+        keys = torch.cat([self.key_positions, *self._positions, positions], dim=1)
+        logits = self._forward(tokens.to(self.device), positions, allowed, keys)
         self._allowed.append(tree)
+        self._positions.append(positions)
         return logits
 
     def end_proposal(self) -> None:
@@ -151,11 +163,12 @@ class ModelDrafter(Drafter):
         for layer in self.cache.layers:
             if layer.keys is not None and layer.keys.shape[-2] > end:
                 layer.keys, layer.values = layer.keys[..., :end, :], layer.values[..., :end, :]
-        self._allowed = []
+        self._allowed, self._positions = [], []
 
     def select(self, rows: list[int]) -> None:
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
         self.valid, self.counts = self.valid[index], self.counts[index]
+        self.key_positions = self.key_positions[index]
         if self.root is not None:
             self.root = self.root[index]
         if self.cache.get_seq_length() > 0:

@@ -16,7 +16,7 @@ from decode.drafter import Drafter
 from decode.drafters import make_drafter
 from decode.drafters.composite import Composite, CompositeDrafter
 from decode.drafters.eagle import EagleDrafter
-from decode.drafters.model import DraftModel
+from decode.drafters.model import DraftModel, ModelDrafter
 from decode.drafters.ngram import Ngram, NgramDrafter
 from decode.propose import propose
 from decode.tree import build_tree, chain
@@ -80,6 +80,26 @@ def test_the_target_drafting_for_itself_is_always_accepted(any_target):
     assert out.steps == -(-(N - 1) // 4)  # every step emits 4 tokens (the last may be cut short)
 
 
+@pytest.mark.parametrize("arch", ["mistral", "gemma2"])
+def test_a_sliding_window_draft_keeps_its_window(build_target, arch):
+    """A window of 4 tokens, far shorter than the sequences (mistral: every layer; gemma2: every other one):
+    the drafter's root logits after the prompt equal the draft model's own, and the target drafting for
+    itself is always accepted (the drafter's one full-attention mask let every layer see past its window:
+    other logits, 13 of 18 first drafts accepted)."""
+    model = build_target(arch, sliding_window=4)
+    prompt = torch.randint(0, 128, (12,), generator=torch.Generator().manual_seed(7))
+    drafter = ModelDrafter(DraftModel(model), model, 1)
+    drafter.start([prompt])
+    drafter.advance(None, [prompt[1:]])
+    torch.testing.assert_close(
+        drafter.root_logits()[0], model(prompt[None]).logits[0, -1], atol=1e-5, rtol=1e-5
+    )
+    source = DraftModel(layer_draft(model, model.config.num_hidden_layers))
+    out = generate(model, PROMPT, source, max_new_tokens=N, tree=CHAIN_AND_SIBLINGS).one
+    assert out.sequences[0].tolist() == _plain(model)
+    assert out.accepted_per_depth == [out.steps] * 3
+
+
 def test_a_layer_draft_is_the_targets_first_layers_and_saves_as_an_ordinary_model(build_target, tmp_path):
     model = build_target("qwen2")
     draft = layer_draft(model, 2)
@@ -104,6 +124,9 @@ def test_a_draft_model_over_another_vocabulary_is_refused(build_target):
     model, other = build_target("llama"), build_target("llama", vocab_size=96)
     with pytest.raises(ValueError, match="the draft model scores 96 tokens, the target 128"):
         generate(model, PROMPT, DraftModel(other), max_new_tokens=4)
+    chunked = build_target("llama", attention_chunk_size=4)  # (as Llama 4's): its masks are not built
+    with pytest.raises(ValueError, match="the draft model: llama has chunked attention layers"):
+        generate(model, PROMPT, DraftModel(chunked), max_new_tokens=4)
 
 
 def test_ngram_drafts_the_continuation_of_the_longest_earlier_match(build_target):

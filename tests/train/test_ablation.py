@@ -4,8 +4,10 @@ the tiny target with two arms of two steps."""
 
 from __future__ import annotations
 
+import glob
 import json
 import runpy
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -141,6 +143,22 @@ def test_the_committed_generalisation_spec_judges_held_out_sources():
         assert cfg.train.max_steps == 600
     broad = load_config(EagleRunConfig, ROOT / spec.base, arm_command(spec, "broad_long")[3:])
     assert any("regen_broad" in f for f in broad.data.train_files) and broad.data.max_length == 1024
+
+
+def test_the_committed_sixth_pool_spec_differs_between_arms_in_the_data_alone():
+    """configs/ablation/varied.yaml: 600 more steps from the shipped head (stage 5) on five pools, six (the
+    sixth: regen_varied), or the two newest; every pool it reads is committed."""
+    spec = load_spec(ROOT / "configs" / "ablation" / "varied.yaml")
+    assert spec.heldout and spec.chain == 3 and spec.seen_files
+    configs = {n: load_config(EagleRunConfig, ROOT / spec.base, arm_command(spec, n)[3:]) for n in spec.arms}
+    assert ROOT / configs["more"].eagle.init_from == spec.references["stage5"]
+    pools = {n: {f.split("/")[2] for f in c.data.train_files} for n, c in configs.items()}
+    assert pools["varied"] == pools["more"] | {"regen_varied"} and len(pools["more"]) == 5
+    assert pools["recent"] == {"regen_wide", "regen_varied"}
+    for name, cfg in configs.items():
+        assert cfg.train.max_steps == 600 and cfg.eagle == configs["more"].eagle, name
+        assert replace(cfg.train, output_dir="") == replace(configs["more"].train, output_dir=""), name
+        assert all(glob.glob(str(ROOT / pattern)) for pattern in cfg.data.train_files), name
 
 
 def test_the_committed_vocabulary_spec_differs_between_arms_in_the_vocabulary_alone():

@@ -116,6 +116,39 @@ def test_loop_evaluates_checkpoints_exports_and_drops_idle_gradients(
     assert not torch.equal(toy.embed.weight, start["embed.weight"])  # it trained in the later steps
 
 
+def accumulating_toy_run(tmp_path, overrides, steps: int, eval_every: int, rows: int, eval_set, on_loss):
+    """The loop on `ToyStep` with two micro-batches of one row per optimizer step; `on_loss(step, value)`
+    sees every micro-batch's loss. Returns the accelerator."""
+    args = [
+        f"train.max_steps={steps}",
+        "train.gradient_accumulation_steps=2",
+        "train.per_device_batch_size=1",
+    ]
+    args += [f"train.eval_every_steps={eval_every}", "train.save_every_steps=0", "train.eval_tau_prompts=0"]
+    cfg = load_config(EagleRunConfig, TINY_YAML, overrides(tmp_path / "run", *args))
+    accelerator = make_accelerator(cfg.train)
+    torch.manual_seed(0)
+    toy = ToyStep()
+    run = prepare_run(accelerator, cfg, toy, toy.parameters(), toy_rows(rows))
+
+    def loss(batch, step):
+        value, metrics = run.module(batch["input_ids"], batch["loss_mask"])
+        on_loss(step, value.item())
+        return value, metrics
+
+    train_loop(
+        run,
+        toy_rows(rows),
+        eval_set,
+        pad_id=0,
+        loss=loss,
+        eval_loss=lambda batch: run.module(batch["input_ids"], batch["loss_mask"])[0],
+        eval_tau=lambda: None,
+        export=lambda step, eval_tau=None: tmp_path / f"export-{step}",
+    )
+    return accelerator
+
+
 @pytest.mark.parametrize("eval_rows", [20, 21, 22])
 def test_accumulation_holds_after_an_evaluation_that_stops_at_its_last_batch(
     eval_rows, tmp_path, overrides, fresh_accelerate
@@ -123,30 +156,26 @@ def test_accumulation_holds_after_an_evaluation_that_stops_at_its_last_batch(
     """Two micro-batches per optimizer step, evaluating every step on up to 20 batches (`eval_loss` stops
     early): with 21 held-out rows its 21st batch was the loader's last, the stopped loader stayed the
     accelerator's active one, and every later micro-batch read "end of data" and stepped alone."""
-    args = ["train.max_steps=4", "train.gradient_accumulation_steps=2", "train.per_device_batch_size=1"]
-    args += ["train.eval_every_steps=1", "train.save_every_steps=0", "train.eval_tau_prompts=0"]
-    cfg = load_config(EagleRunConfig, TINY_YAML, overrides(tmp_path / "run", *args))
-    accelerator = make_accelerator(cfg.train)
-    torch.manual_seed(0)
-    toy = ToyStep()
-    run = prepare_run(accelerator, cfg, toy, toy.parameters(), toy_rows(20))
     steps = []
-
-    def loss(batch, step):
-        steps.append(step)
-        return run.module(batch["input_ids"], batch["loss_mask"])
-
-    train_loop(
-        run,
-        toy_rows(20),
-        toy_rows(eval_rows),
-        pad_id=0,
-        loss=loss,
-        eval_loss=lambda batch: run.module(batch["input_ids"], batch["loss_mask"])[0],
-        eval_tau=lambda: None,
-        export=lambda step, eval_tau=None: tmp_path / f"export-{step}",
+    accumulating_toy_run(
+        tmp_path, overrides, 4, 1, 20, toy_rows(eval_rows), lambda step, _: steps.append(step)
     )
     assert steps == [0, 0, 1, 1, 2, 2, 3, 3]  # the optimizer step each micro-batch belongs to
+
+
+def test_the_logged_loss_is_the_steps_mean_over_its_micro_batches(
+    tmp_path, overrides, fresh_accelerate, monkeypatch
+):
+    """Two micro-batches per step: the loss and metrics logged are their mean (they were the last one's)."""
+    micro, logged = [], []
+    monkeypatch.setattr(
+        "accelerate.Accelerator.log",
+        lambda self, logs, step: logged.append((step, logs["loss"], logs["top1_step0"])),
+    )
+    accumulating_toy_run(tmp_path, overrides, 3, 0, 12, None, lambda _, value: micro.append(value))
+    assert len(micro) == 6 and len(set(micro)) == 6  # six different micro-batch losses
+    means = [pytest.approx((micro[i] + micro[i + 1]) / 2, rel=1e-6) for i in (0, 2, 4)]
+    assert logged == [(s, m, m) for s, m in zip((1, 2, 3), means)]  # the toy's metric is its loss
 
 
 def test_loop_keeps_the_export_of_the_best_simulated_tau(tmp_path, overrides, fresh_accelerate, capsys):

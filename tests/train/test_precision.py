@@ -34,9 +34,9 @@ class RecordingLogger(train.loop.StepLogger):
 
     losses: ClassVar[list[float]] = []
 
-    def step(self, step, last, loss, lr, grad_norm, metrics) -> None:
-        RecordingLogger.losses.append(loss.item())
-        super().step(step, last, loss, lr, grad_norm, metrics)
+    def step(self, step, last, lr, grad_norm) -> None:
+        RecordingLogger.losses.append((self.sums["loss"] / self.micro).item())  # the step's mean
+        super().step(step, last, lr, grad_norm)
 
 
 def losses_of(run_recipe, recipe: str, args: list[str], monkeypatch) -> list[float]:
