@@ -197,12 +197,10 @@ def eagle3_ttt_loss(
     embeds = embed(input_ids[:, 1:]).to(features.dtype)  # (B, T-1, H)
     positions = torch.arange(length, device=features.device).expand(b, -1)
     target_probs, draft_mass = draft_target_probs(head, target_logits[:, 1:], distill)  # (B, T-1, Vd)
-    token_mask = torch.zeros(b, length, dtype=torch.bool, device=features.device)
-    token_mask[:, :-1] = loss_mask[:, 2:].bool()  # token t + 2
+    chains = ttt_chains(loss_mask, ttt_steps)  # chains[0]: token t + 2 is one to learn
     cache = DraftCache()
     total = features.new_zeros((), dtype=torch.float32)
     metrics: dict[str, Tensor] = {}
-    chains = ttt_chains(loss_mask, ttt_steps)
     for step in range(ttt_steps):
         mask = ttt_attention_mask(length, step, features.dtype, features.device)
         hidden = head(features, embeds, positions, cache, attention_mask=mask)  # (B, T-1, H)
@@ -220,7 +218,7 @@ def eagle3_ttt_loss(
             metrics[f"alpha_step{step}"] = masked_mean(acceptance(logits.detach(), own), valid)
         features = torch.cat([torch.zeros_like(hidden[:, :1]), hidden[:, :-1]], dim=1)  # step j+1 input at t
     if draft_mass is not None:
-        metrics["draft_mass"] = masked_mean(draft_mass, token_mask)
+        metrics["draft_mass"] = masked_mean(draft_mass, chains[0])
     return total, metrics
 
 

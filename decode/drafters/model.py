@@ -41,8 +41,10 @@ def draft_models(source: DraftModel) -> list[nn.Module]:
     return [source.model]
 
 
-def check_draft_model(draft: nn.Module, target: nn.Module) -> None:
-    """The draft must score the target's vocabulary (ids mean the same tokens) on the target's device."""
+def check_draft_model(draft: nn.Module, target: nn.Module) -> dict[str, int | None]:
+    """The draft must score the target's vocabulary (ids mean the same tokens) on the target's device, and
+    its layers attend (fully or in sliding windows). Returns its windows (`decode.inputs.attention_windows`:
+    layer type -> sliding window or None)."""
     draft_vocab = draft.get_output_embeddings().weight.shape[0]
     target_vocab = target.get_output_embeddings().weight.shape[0]
     if draft_vocab != target_vocab:
@@ -59,7 +61,7 @@ def check_draft_model(draft: nn.Module, target: nn.Module) -> None:
             "trees over a KV cache; use a draft model whose every layer attends"
         )
     try:
-        attention_windows(draft)
+        return attention_windows(draft)
     except ValueError as err:
         raise ValueError(f"the draft model: {err}") from None
 
@@ -70,13 +72,12 @@ class ModelDrafter(Drafter):
     feature_layers = ()
 
     def __init__(self, source: DraftModel, target: nn.Module, batch: int) -> None:
-        check_draft_model(source.model, target)
+        self.windows = check_draft_model(source.model, target)
         self.model, self.max_depth = source.model, source.max_depth
         self.device, self.dtype = source.model.device, source.model.dtype
         # every column kept (transformers' own cache would drop the oldest of a sliding-window draft, under
         # the columns the masks below index); its windows are applied in the masks instead, as the target's
         self.cache = target_cache()
-        self.windows = attention_windows(source.model)  # layer type -> sliding window or None
         self.valid = torch.zeros(batch, 0, dtype=torch.bool, device=self.device)
         self.key_positions = torch.zeros(batch, 0, dtype=torch.long, device=self.device)  # per column
         self.counts = torch.zeros(batch, dtype=torch.long, device=self.device)  # tokens taken in per row
