@@ -70,9 +70,10 @@ def eval_loss(
     losses = []
     loader = epoch_loader(eval_set, cfg.train, cfg.data, 0, pad_id, accelerator)
     device = accelerator.device
-    # The losses that sample (DFlash's anchors, P-EAGLE's chains, EAGLE-1's noise) draw from a forked RNG
-    # seeded alike at every evaluation: the same draws each time (losses comparable across steps) and the
-    # training RNG untouched (how often a run evaluates does not change what it trains on).
+    # The losses that sample (DFlash's anchors, P-EAGLE's chains; EAGLE-1's feature noise is off in eval mode)
+    # draw from a forked RNG seeded alike at every evaluation: the same draws each time (losses comparable
+    # across steps) and the training RNG untouched (how often a run evaluates does not change what it trains
+    # on).
     forked = [] if device.type == "cpu" else [0 if device.index is None else device.index]
     try:
         with torch.random.fork_rng(devices=forked, device_type=device.type):
