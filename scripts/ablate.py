@@ -25,6 +25,7 @@ from benchmarks.prompts import load_prompts, load_seen_prompts
 from targets import load_target
 from train.ablation import (
     DUMPED,
+    check_arms,
     dump_states,
     judge_arm,
     load_spec,
@@ -68,6 +69,11 @@ def main(argv: list[str] | None = None) -> None:
             f"{args.spec}: no arm(s) {unknown}; the spec has {list(spec.arms)}"
             + (f" and references {list(spec.references)}" if spec.references else "")
         )
+    if not args.no_train:
+        try:  # every arm's config before the dump and the first launch
+            check_arms(spec, [n for n in names if n in spec.arms])
+        except ValueError as error:
+            raise SystemExit(f"{args.spec}: {error}") from error
     if args.train_only and args.no_train:
         raise SystemExit("--train-only and --no-train exclude each other")
     if args.dump_only and spec.states_dir is None:

@@ -234,9 +234,23 @@ def _launch(command: list[str], folder: Path, log_name: str, what: str) -> float
     return seconds
 
 
+def check_arms(spec: AblationSpec, names) -> None:
+    """Every arm of `names` loads as a run config of the spec's recipe (its base, the common overrides, its
+    own): ValueError naming the arm and the problem otherwise. Checked in this process before any arm trains,
+    so an arm with a bad override fails at once, not when its turn comes hours later."""
+    from train.config import EagleRunConfig, MedusaRunConfig, load_config
+
+    cls = {"eagle": EagleRunConfig, "medusa": MedusaRunConfig}[spec.recipe]
+    for name in names:
+        try:
+            load_config(cls, ROOT / spec.base, arm_command(spec, name)[3:])  # as launched: from ROOT
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"arm {name!r} ({spec.arms[name]}): {error}") from error
+
+
 def run_arm(spec: AblationSpec, name: str, log=print) -> dict:
     """Train arm `name` unless it finished before; returns its record ({"arm", "overrides", "seconds"}, the
-    seconds of all its launches, resumed ones included)."""
+    seconds of all its launches, resumed ones included). Its config is checked first (`check_arms`)."""
     out = spec.output_dir / name
     done = out / DONE
     command = arm_command(spec, name)
@@ -244,6 +258,7 @@ def run_arm(spec: AblationSpec, name: str, log=print) -> dict:
         record = _done_before(done, command, f"arm {name!r}")
         log(f"[{name}] done before ({record['seconds']:.0f} s of training): skipped")
         return record
+    check_arms(spec, [name])
     log(f"[{name}] " + " ".join(command[1:]))
     seconds = _launch(command, out, "train.log", f"arm {name!r}")
     record = {"arm": name, "overrides": spec.arms[name], "seconds": seconds, "args": command[2:]}

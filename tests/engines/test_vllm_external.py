@@ -79,9 +79,6 @@ PROMPTS, NEW_TOKENS, DRAFTS = 4, 64, 3
 # of tokens and only ever get position 1 accepted ([11, 0, 0] at 4 layers); 20 get every position accepted
 # at least once, so vLLM's chained drafting (positions 2 and 3) is compared too
 DRAFT_LAYERS = 20
-# Two vLLM engines run at once (vllm_check.py's, the server's): vLLM's automatic CPU binding pins both to core
-# 0 of 2 (the module took 647 s alone, 564 s unpinned with one thread each, which the OS spreads over cores)
-ENGINE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
 BF16 = "train.mixed_precision=bf16"  # bf16 autocast, as quickstart.yaml trains: cheaper steps on this CPU
 
 # The heads the tests serve: shipped (pretrained/) or trained here once (recipe, config, optimizer steps,
@@ -353,9 +350,9 @@ def vllm_runs(request, vllm_python, setup, heads, decoded, say) -> dict[str, dic
     start = time.perf_counter()
     with log.open("w") as stream:
         process = subprocess.Popen(
-            command, cwd=root, stdout=stream, stderr=subprocess.STDOUT, env=clean_env(VLLM_ENV | ENGINE_ENV)
+            command, cwd=root, stdout=stream, stderr=subprocess.STDOUT, env=clean_env(VLLM_ENV)
         )
-    try:  # vLLM's engine runs one thread (ENGINE_ENV), this process another
+    try:  # vLLM's engine takes one core (it sets itself one thread), this process the other
         for _, _, head in runs.values():  # our side of every comparison, while vLLM runs
             if head is not None:
                 decoded(head)
@@ -489,9 +486,8 @@ def server(vllm_python, setup, heads):
     ]
     start = time.perf_counter()
     with log.open("w") as out:
-        env = os.environ | ENGINE_ENV  # serve_vllm.py lets the caller's environment win
         process = subprocess.Popen(
-            command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env
+            command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
     try:
         yield process, f"http://127.0.0.1:{port}", log, start

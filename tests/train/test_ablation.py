@@ -257,9 +257,12 @@ def test_two_arms_train_resume_evaluate_and_tabulate(tmp_path, tiny_target_dir, 
     trained = json.loads((spec.output_dir / "ttt1" / "head" / "config.json").read_text())["training"]
     assert trained["eagle"]["ttt_steps"] == 1 and trained["train"]["max_steps"] == 2
     assert run_arm(spec, "ttt1", log=logs.append) == records[1] and "done before" in logs[-1]  # skipped
-    with pytest.raises(RuntimeError, match=r"(?s)arm 'broken' failed .*ttt_steps must be >= 1"):
+    # an arm whose config is refused fails here, before a process is launched for it
+    with pytest.raises(
+        ValueError, match=r"arm 'broken' \(\['eagle.ttt_steps=0'\]\): .*ttt_steps must be >= 1"
+    ):
         run_arm(spec, "broken", log=logs.append)
-    assert not (spec.output_dir / "broken" / DONE).exists()
+    assert not (spec.output_dir / "broken").exists()
 
     model, tokenizer = load_target(str(tiny_target_dir))
     chats = [{"messages": [{"role": "user", "content": f"Say {word} twice."}]} for word in ("one", "two")]
@@ -397,6 +400,12 @@ def test_train_only_trains_the_arms_named_and_judges_none(tmp_path, capsys):
     assert trained == ["b", "a"] and "trained: b, a" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="exclude each other"):
         main([str(spec), "--train-only", "--no-train"])
+    # every arm's config is checked before the first one trains: a bad arm last stops the run at once
+    trained.clear()
+    bad = _spec_file(tmp_path, arms={"a": [], "b": ["eagle.ttt_steps=0"]})
+    with pytest.raises(SystemExit, match=r"spec.yaml: arm 'b' \(\['eagle.ttt_steps=0'\]\): .*must be >= 1"):
+        main([str(bad), "--train-only"])
+    assert trained == []
     # a reference has nothing to train: --train-only leaves it out; a missing one stops the judging by name
     trained.clear()
     spec = _spec_file(tmp_path, arms={"a": []}, references={"shipped": str(tmp_path / "none")})
